@@ -1,0 +1,251 @@
+"""The compressor interface: pure tensor math that asks for collectives, never calls them.
+
+A compressor turns one gradient tensor into payload tensors that travel, and turns what
+the other ranks sent back into an averaged gradient. Some compressors need one exchange
+(top-k: gather (values, indices) from every rank), some need several with math between
+them (PowerSGD: sum P, orthogonalise, sum Q). thinwire expresses every compressor as an
+*exchange protocol*: a generator that yields :class:`Request` objects (``Sum``, ``Max`` or
+``Gather`` of some payload tensors) and receives the collective's answer. A communicator
+drives the generators of all tensors in a bucket in lock-step and fuses each round's
+requests into one collective, so the compressor itself contains no ``torch.distributed``.
+
+Single-round compressors only implement :meth:`Compressor.compress` and
+:meth:`Compressor.decompress`; the default :meth:`Compressor.exchange` does the rest.
+
+Every exchange returns an :class:`Exchanged`: ``mean`` is the averaged gradient every
+rank agrees on; ``local`` is what this rank's own contribution decodes to, which error
+feedback subtracts from what it meant to send (``residual = corrected - local``).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+
+class Op(enum.Enum):
+    """What a communicator does with the payload tensors of one request."""
+
+    SUM = "sum"  #: element-wise sum over ranks; the answer is a list of summed tensors
+    MAX = "max"  #: element-wise maximum over ranks; the answer is a list of tensors
+    GATHER = "gather"  #: every rank's tensors; the answer is a list (one per rank) of lists
+
+
+class Aggregation(enum.Enum):
+    """How a compressor's payloads combine across ranks, as declared by the compressor."""
+
+    SUM = "sum"  #: payloads can be summed in a ring all-reduce (fp16, PowerSGD, random-k)
+    GATHER = "gather"  #: payloads must be gathered and decoded one by one (top-k, signs)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One collective that an exchange protocol asks for: ``op`` over ``tensors``."""
+
+    op: Op
+    tensors: tuple[Tensor, ...]
+
+    @staticmethod
+    def sum(*tensors: Tensor) -> Request:
+        """Ask for the element-wise sum of ``tensors`` over all ranks."""
+        return Request(Op.SUM, tensors)
+
+    @staticmethod
+    def max(*tensors: Tensor) -> Request:
+        """Ask for the element-wise maximum of ``tensors`` over all ranks."""
+        return Request(Op.MAX, tensors)
+
+    @staticmethod
+    def gather(*tensors: Tensor) -> Request:
+        """Ask for every rank's ``tensors`` (same shapes and dtypes on every rank)."""
+        return Request(Op.GATHER, tensors)
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """The outcome of one tensor's exchange.
+
+    ``mean``: the gradient averaged over ranks, identical on every rank.
+    ``local``: this rank's own contribution as the receivers decode it, in the units of the
+    tensor that was compressed (error feedback keeps ``corrected - local``).
+    ``sent_indices``: for sparsifiers, the flat indices this rank sent *exactly*; memories
+    then zero those entries (O(k)) instead of subtracting a dense ``local``, which may be
+    ``None`` in that case.
+    """
+
+    mean: Tensor
+    local: Tensor | None
+    sent_indices: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor sits: its stable ``key`` (a parameter name), the optimizer ``step``,
+    the ``world_size`` it is averaged over and this process's ``rank``. Compressors key
+    their state by ``key``; stochastic ones seed per-rank randomness from ``rank``."""
+
+    key: str
+    step: int
+    world_size: int
+    rank: int = 0
+
+
+#: An exchange protocol: yields requests, receives their answers, returns the outcome.
+Exchange = Generator[Request, Any, Exchanged]
+
+
+class Compressor(ABC):
+    """Base class of all gradient compressors.
+
+    Subclasses set ``name``, ``summary`` (one line, shown by ``thinwire.compressors()``) and
+    ``aggregation``, and implement either ``compress``/``decompress`` (one round) or
+    ``exchange`` (several rounds). State that must survive a checkpoint (warm-start
+    matrices, random generators) goes through ``state_dict``/``load_state_dict``.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    aggregation: ClassVar[Aggregation]
+    #: whether the compressor is meant to be used with residual error feedback by default
+    wants_error_feedback: ClassVar[bool] = False
+
+    # -- which tensors it handles ---------------------------------------------------------
+
+    def compresses(self, tensor: Tensor) -> bool:
+        """Whether this compressor should handle ``tensor``; others are sent dense."""
+        return True
+
+    # -- single-round compressors ---------------------------------------------------------
+
+    def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
+        """Encode ``tensor`` into payload tensors and a local context that does not travel."""
+        raise TypeError(f"compressor {self.name!r} implements exchange(), not compress()")
+
+    def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
+        """Decode one payload (this rank's or another's, or a sum of them) into a tensor."""
+        raise TypeError(f"compressor {self.name!r} implements exchange(), not decompress()")
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
+        """Average ``tensor`` over ranks: the default one-round protocol.
+
+        Summable payloads are summed, decoded once and divided by the world size; gathered
+        payloads are decoded one by one and averaged. A compressor that must divide before
+        summing (half precision, for range) overrides this method.
+        """
+        payload, ctx = self.compress(tensor, slot)
+        local = self.decompress(payload, ctx)
+        if self.aggregation is Aggregation.SUM:
+            summed = yield Request.sum(*payload)
+            mean = self.decompress(summed, ctx).div_(slot.world_size)
+        else:
+            gathered = yield Request.gather(*payload)
+            mean = torch.zeros_like(tensor)
+            for rank_payload in gathered:
+                mean.add_(self.decompress(rank_payload, ctx))
+            mean.div_(slot.world_size)
+        return Exchanged(mean=mean, local=local)
+
+    # -- error feedback -------------------------------------------------------------------
+
+    def make_memory(self) -> Memory:
+        """The error-feedback memory this compressor is used with by default."""
+        from thinwire.compress.feedback import NoMemory, ResidualMemory
+
+        return ResidualMemory() if self.wants_error_feedback else NoMemory()
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise if ``optimizer`` conflicts with this compressor (DGC's own momentum)."""
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that a resumed run needs to continue exactly; empty for stateless ones."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"compressor {self.name!r} is stateless but got state {list(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Memory(ABC):
+    """Error feedback: compensate a gradient before compression, remember what was not sent.
+
+    ``compensate`` returns the tensor to compress (it may be a buffer the memory owns);
+    ``update`` is told what was sent and keeps the rest for the next step. Memories hold
+    fp32 state whatever the gradient's dtype.
+    """
+
+    @abstractmethod
+    def compensate(self, grad: Tensor, slot: Slot, param: Tensor | None = None) -> Tensor:
+        """The tensor to compress for ``grad`` (fp32), e.g. ``grad + residual``."""
+
+    @abstractmethod
+    def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
+        """Keep what ``corrected`` held and ``sent`` did not carry.
+
+        ``compressed`` is False for tensors that went dense (the compressor declined them).
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Buffers to checkpoint, keyed by tensor key."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+def run_locally(exchange: Exchange, wire_bytes: list[int] | None = None) -> Exchanged:
+    """Drive an exchange protocol for a world of one process (tests, single-process use).
+
+    If ``wire_bytes`` is given, the payload size in bytes of every request is appended to
+    it: what this rank would put on the wire.
+    """
+    answer: Any = None
+    try:
+        while True:
+            request = exchange.send(answer)
+            if wire_bytes is not None:
+                wire_bytes.append(sum(t.numel() * t.element_size() for t in request.tensors))
+            answer = [list(request.tensors)] if request.op is Op.GATHER else list(request.tensors)
+    except StopIteration as stop:
+        return stop.value
+
+
+def check_fraction(name: str, value: float) -> float:
+    """Validate an option that must lie in (0, 1], with a message that names it."""
+    if not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def check_positive_int(name: str, value: int) -> int:
+    """Validate an option that must be an integer >= 1, with a message that names it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_floating(tensor: Tensor, what: str = "gradient") -> None:
+    """Refuse non-floating tensors with a message that says what to do."""
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"{what} has dtype {tensor.dtype}; thinwire compresses floating-point gradients "
+            "only (float32, float16, bfloat16, float64)"
+        )
+
+
+def num_selected(numel: int, density: float) -> int:
+    """How many of ``numel`` entries a sparsifier keeps at ``density`` (at least one)."""
+    return max(1, min(numel, round(numel * density)))

@@ -1,0 +1,26 @@
+"""No compression: the averaged gradient, exactly as DDP's own all-reduce computes it.
+
+    payload = g / N        (pre-divided, like DDP, so the sum is the mean)
+    mean    = sum over ranks of payload
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from thinwire.compress.base import Aggregation, Compressor, Exchange, Exchanged, Request, Slot
+from thinwire.compress.registry import register_compressor
+
+
+@register_compressor
+class NoCompression(Compressor):
+    """Dense fp32 all-reduce; the reference every compressor is measured against."""
+
+    name = "none"
+    summary = "no compression: dense fp32 all-reduce, bitwise equal to DDP's own"
+    aggregation = Aggregation.SUM
+
+    def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
+        """Sum ``tensor / N`` over ranks."""
+        (mean,) = yield Request.sum(tensor.div(slot.world_size))
+        return Exchanged(mean=mean, local=tensor)
