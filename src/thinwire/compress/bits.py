@@ -44,7 +44,6 @@ def unpack(packed: Tensor, bits: int, count: int) -> Tensor:
         raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
     if bits == 8:
         return packed[:count].clone()
-    8 // bits
     mask = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     lanes = packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask)
