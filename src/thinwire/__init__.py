@@ -1,6 +1,34 @@
-"""thinwire: distributed PyTorch training that is fast on cheap networks."""
+"""thinwire: distributed PyTorch training that is fast on cheap networks.
 
+import thinwire
+thinwire.compressors()                              # names and one-line summaries
+engine = thinwire.register(ddp_model, "dgc", density=0.001)   # DDP hook
+opt = thinwire.DistributedOptimizer(torch.optim.SGD(...), model, "powersgd", rank=2)
+"""
+
+from thinwire.comm import DistributedOptimizer, GradientExchange, StepStats, register
 from thinwire.compress import Compressor, compressor, compressors, register_compressor
+from thinwire.errors import (
+    CommunicationError,
+    IncompatibleCompressorError,
+    NonFiniteGradientError,
+    RankMismatchError,
+    ThinwireError,
+)
 
-__all__ = ["Compressor", "compressor", "compressors", "register_compressor"]
+__all__ = [
+    "CommunicationError",
+    "Compressor",
+    "DistributedOptimizer",
+    "GradientExchange",
+    "IncompatibleCompressorError",
+    "NonFiniteGradientError",
+    "RankMismatchError",
+    "StepStats",
+    "ThinwireError",
+    "compressor",
+    "compressors",
+    "register",
+    "register_compressor",
+]
 __version__ = "0.1.0"

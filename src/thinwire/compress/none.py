@@ -1,7 +1,7 @@
 """No compression: the averaged gradient, exactly as DDP's own all-reduce computes it.
 
-    payload = g / N        (pre-divided, like DDP, so the sum is the mean)
-    mean    = sum over ranks of payload
+payload = g / N        (pre-divided, like DDP, so the sum is the mean)
+mean    = sum over ranks of payload
 """
 
 from __future__ import annotations

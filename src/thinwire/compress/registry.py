@@ -22,8 +22,9 @@ def register_compressor(cls: C) -> C:
     return cls
 
 
-def compressor(name: str, **options: Any) -> Compressor:
-    """Build the compressor registered as ``name`` with ``options``.
+def compressor(name: str | Compressor, **options: Any) -> Compressor:
+    """Build the compressor registered as ``name`` with ``options`` (an instance is
+    returned as it is).
 
     Unknown names and unknown options raise an error that lists what is available.
     """

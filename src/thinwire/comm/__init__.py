@@ -1,0 +1,23 @@
+"""Communication: collectives, the exchange engine and its front ends."""
+
+from thinwire.comm.collectives import (
+    AllGatherCommunicator,
+    AllReduceCommunicator,
+    Communicator,
+    make_communicator,
+)
+from thinwire.comm.ddp_hook import register
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.comm.optimizer import DistributedOptimizer
+
+__all__ = [
+    "AllGatherCommunicator",
+    "AllReduceCommunicator",
+    "Communicator",
+    "DistributedOptimizer",
+    "GradientExchange",
+    "GradientItem",
+    "StepStats",
+    "make_communicator",
+    "register",
+]

@@ -1,0 +1,278 @@
+"""Communicators: the only code in thinwire that calls ``torch.distributed``.
+
+A communicator executes one *round* of requests from many exchange protocols at once
+(every tensor of a bucket, in lock-step), fusing them: all ``Sum`` requests of one dtype
+become one flat buffer and one all-reduce, all ``Gather`` requests become one byte buffer
+and one all-gather. It counts the bytes this rank contributes and, under the ring
+algorithm, puts on the wire.
+
+Two communicators:
+
+- :class:`AllReduceCommunicator` (decentralised ring all-reduce) executes ``Sum`` and
+  ``Max``; it refuses compressors whose payloads must be gathered, naming both.
+- :class:`AllGatherCommunicator` executes every request with all-gather; sums and maxima
+  are reduced locally in rank order, so every rank computes the same bits.
+
+Non-finite gradients are caught without a hang: a rank whose input is not finite *poisons*
+its first round (NaN in sums, +inf in maxima, a status byte in gathers), every rank sees
+the poison in the answer after the same collective, and every rank raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from thinwire.compress.base import Aggregation, Compressor, Op, Request
+from thinwire.errors import CommunicationError, IncompatibleCompressorError
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank moved. ``payload``: what it contributed to collectives; ``sent`` and
+    ``received``: what the ring algorithm makes it send and receive; ``collectives``: how
+    many collectives it issued."""
+
+    payload: int = 0
+    sent: int = 0
+    received: int = 0
+    collectives: int = 0
+
+    def add(self, other: Traffic) -> None:
+        """Accumulate ``other`` into this record."""
+        self.payload += other.payload
+        self.sent += other.sent
+        self.received += other.received
+        self.collectives += other.collectives
+
+
+@dataclass
+class RoundResult:
+    """The answers to one round of requests (in request order) and whether any rank's
+    input was poisoned (non-finite)."""
+
+    answers: list[Any]
+    poisoned: bool
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+class Communicator(ABC):
+    """Executes rounds of exchange requests over a process group.
+
+    Args:
+        group: the process group (``None``: the default group).
+    """
+
+    name: str = "communicator"
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) first (or launch with torchrun)"
+            )
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout = _group_timeout(group)
+
+    def supports(self, op: Op) -> bool:
+        """Whether this communicator can execute requests of kind ``op``."""
+        return True
+
+    def check(self, compressor: Compressor) -> None:
+        """Refuse a compressor whose payloads this communicator cannot aggregate."""
+        if compressor.aggregation is Aggregation.GATHER and not self.supports(Op.GATHER):
+            raise IncompatibleCompressorError(
+                f"compressor {compressor.name!r} sends payloads that must be gathered "
+                f"(they cannot be summed), but communicator {self.name!r} only sums; "
+                "use communicator='allgather' (or 'auto')"
+            )
+
+    def execute(self, requests: Sequence[Request], poison: bool = False) -> RoundResult:
+        """Run one round: fuse ``requests`` into as few collectives as possible, wait."""
+        for request in requests:
+            if not self.supports(request.op):
+                raise IncompatibleCompressorError(
+                    f"communicator {self.name!r} cannot execute a {request.op.value!r} request"
+                )
+        try:
+            return self._execute(requests, poison)
+        except RuntimeError as error:
+            if _is_timeout(error):
+                raise CommunicationError(
+                    f"a {self.name} collective on rank {self.rank} of {self.world_size} failed "
+                    f"or timed out (process group timeout: {self.timeout}): a peer rank has "
+                    "probably died, diverged or stalled; check the other ranks' output. "
+                    f"({error})"
+                ) from error
+            raise
+
+    @abstractmethod
+    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size})"
+
+
+class AllReduceCommunicator(Communicator):
+    """Ring all-reduce: one fused all-reduce per (op, dtype) in a round."""
+
+    name = "allreduce"
+
+    def supports(self, op: Op) -> bool:
+        """Sums and maxima only."""
+        return op in (Op.SUM, Op.MAX)
+
+    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
+        traffic = Traffic()
+        answers: list[Any] = [None] * len(requests)
+        poisoned = False
+        for (op, dtype), members in _group_by_op_and_dtype(requests).items():
+            tensors = [t for i in members for t in requests[i].tensors]
+            flat = _flatten(tensors, dtype)
+            if poison:
+                flat.fill_(math.inf if op is Op.MAX else math.nan)
+            reduce_op = dist.ReduceOp.SUM if op is Op.SUM else dist.ReduceOp.MAX
+            dist.all_reduce(flat, op=reduce_op, group=self.group)
+            traffic.add(
+                _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
+            )
+            poisoned |= not bool(torch.isfinite(flat).all())
+            pieces = iter(_split(flat, tensors))
+            for i in members:
+                answers[i] = [next(pieces) for _ in requests[i].tensors]
+        return RoundResult(answers, poisoned, traffic)
+
+
+class AllGatherCommunicator(Communicator):
+    """All-gather everything in one fused byte buffer per round; reduce sums locally."""
+
+    name = "allgather"
+
+    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
+        tensors = [t for request in requests for t in request.tensors]
+        own = torch.cat(
+            [_as_bytes(t) for t in tensors] + [torch.tensor([int(poison)], dtype=torch.uint8)]
+        )
+        gathered = torch.empty(self.world_size * own.numel(), dtype=torch.uint8)
+        _all_gather_single(gathered, own, group=self.group)
+        per_rank = gathered.view(self.world_size, own.numel())
+        poisoned = bool(per_rank[:, -1].any())
+        traffic = _ring_allgather_traffic(own.numel(), self.world_size)
+        # Decode every rank's tensors from its bytes, in request order.
+        rank_tensors = [_split_bytes(per_rank[r, :-1], tensors) for r in range(self.world_size)]
+        answers: list[Any] = []
+        offset = 0
+        for request in requests:
+            count = len(request.tensors)
+            per_rank_payload = [rt[offset : offset + count] for rt in rank_tensors]
+            offset += count
+            if request.op is Op.GATHER:
+                answers.append(per_rank_payload)
+            else:
+                answers.append(_reduce_locally(request.op, per_rank_payload))
+        return RoundResult(answers, poisoned, traffic)
+
+
+COMMUNICATORS: dict[str, type[Communicator]] = {
+    "allreduce": AllReduceCommunicator,
+    "allgather": AllGatherCommunicator,
+}
+
+
+def make_communicator(
+    kind: str | Communicator, compressor: Compressor, group: dist.ProcessGroup | None = None
+) -> Communicator:
+    """Build the communicator named ``kind`` (``"auto"`` picks by the compressor's
+    aggregation) and check that it can carry ``compressor``."""
+    if isinstance(kind, Communicator):
+        communicator = kind
+    elif kind == "auto":
+        summable = compressor.aggregation is Aggregation.SUM
+        communicator = (AllReduceCommunicator if summable else AllGatherCommunicator)(group)
+    elif kind in COMMUNICATORS:
+        communicator = COMMUNICATORS[kind](group)
+    else:
+        known = ", ".join(["auto", *COMMUNICATORS])
+        raise ValueError(f"unknown communicator {kind!r}; choose one of: {known}")
+    communicator.check(compressor)
+    return communicator
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _group_by_op_and_dtype(requests: Sequence[Request]) -> dict[tuple[Op, torch.dtype], list[int]]:
+    groups: dict[tuple[Op, torch.dtype], list[int]] = {}
+    for i, request in enumerate(requests):
+        dtypes = {t.dtype for t in request.tensors}
+        if len(dtypes) != 1:
+            raise TypeError(f"a {request.op.value} request mixes dtypes {sorted(map(str, dtypes))}")
+        groups.setdefault((request.op, dtypes.pop()), []).append(i)
+    return groups
+
+
+def _flatten(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).to(dtype, copy=True)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _split(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    sizes = [t.numel() for t in like]
+    return [piece.view(t.shape) for piece, t in zip(flat.split(sizes), like, strict=True)]
+
+
+def _as_bytes(tensor: Tensor) -> Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _split_bytes(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    sizes = [t.numel() * t.element_size() for t in like]
+    pieces = buffer.split(sizes)
+    return [p.view(t.dtype).view(t.shape) for p, t in zip(pieces, like, strict=True)]
+
+
+def _reduce_locally(op: Op, per_rank: list[list[Tensor]]) -> list[Tensor]:
+    out = [t.clone() for t in per_rank[0]]
+    for payload in per_rank[1:]:
+        for acc, t in zip(out, payload, strict=True):
+            if op is Op.SUM:
+                acc.add_(t)
+            else:
+                torch.maximum(acc, t, out=acc)
+    return out
+
+
+def _ring_allreduce_traffic(nbytes: int, world: int) -> Traffic:
+    wire = 2 * (world - 1) * nbytes // world if world > 1 else 0
+    return Traffic(payload=nbytes, sent=wire, received=wire, collectives=1)
+
+
+def _ring_allgather_traffic(nbytes: int, world: int) -> Traffic:
+    wire = (world - 1) * nbytes
+    return Traffic(payload=nbytes, sent=wire, received=wire, collectives=1)
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    try:
+        backend = dist.distributed_c10d._get_default_group() if group is None else group
+        return backend.options._timeout  # type: ignore[union-attr]
+    except Exception:
+        return None
+
+
+def _is_timeout(error: RuntimeError) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text or "connection closed" in text

@@ -1,0 +1,275 @@
+"""The gradient exchange engine: memory -> compressor -> communicator -> averaged gradient.
+
+``GradientExchange`` averages a group of gradient tensors (a DDP bucket, or a bucket of the
+optimizer wrapper) over the ranks. For every tensor it compensates with the error-feedback
+memory, starts the compressor's exchange protocol (or the dense one for tensors the
+compressor declines), then drives all protocols in lock-step: each round's requests go to
+the communicator together, fused into one collective per kind. Afterwards the memory keeps
+what was not sent. It also keeps the step counter, per-step statistics and the state that
+a checkpoint needs, and owns the thread that runs exchanges in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from thinwire.comm.collectives import Communicator, Traffic, make_communicator
+from thinwire.comm.worker import OrderedWorker
+from thinwire.compress.base import Compressor, Exchanged, Memory, Slot, check_floating
+from thinwire.compress.none import NoCompression
+from thinwire.compress.registry import compressor as build_compressor
+from thinwire.errors import NonFiniteGradientError, RankMismatchError
+
+
+@dataclass(frozen=True)
+class GradientItem:
+    """One gradient to exchange: its stable ``key`` (parameter name), the gradient, and the
+    parameter itself (for weight decay inside DGC's memory; may be ``None``)."""
+
+    key: str
+    grad: Tensor
+    param: Tensor | None = None
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step exchanged, as seen by this rank.
+
+    ``dense_bytes``: the fp32 size of the gradients; ``payload_bytes``: what this rank
+    contributed to collectives; ``sent_bytes``/``received_bytes``: what the ring algorithm
+    moves per rank; ``compress_s``: time in memory and compressor math; ``communicate_s``:
+    time inside collectives (on the exchange thread).
+    """
+
+    step: int
+    tensors: int = 0
+    dense_bytes: int = 0
+    payload_bytes: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    collectives: int = 0
+    compress_s: float = 0.0
+    communicate_s: float = 0.0
+    traffic: Traffic = field(default_factory=Traffic, repr=False)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense fp32 bytes over the bytes this rank actually contributed."""
+        return self.dense_bytes / self.payload_bytes if self.payload_bytes else float("nan")
+
+    def as_dict(self) -> dict[str, float]:
+        """A flat dict for logs and JSON."""
+        return {
+            "step": self.step,
+            "tensors": self.tensors,
+            "dense_bytes": self.dense_bytes,
+            "payload_bytes": self.payload_bytes,
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
+            "collectives": self.collectives,
+            "compression_ratio": self.compression_ratio,
+            "compress_s": self.compress_s,
+            "communicate_s": self.communicate_s,
+        }
+
+
+@dataclass
+class _Run:
+    slot: Slot
+    compressed: bool
+    corrected: Tensor
+    protocol: Any
+    result: Exchanged | None = None
+    answer: Any = None
+
+
+class GradientExchange:
+    """Averages gradients over a process group through a compressor.
+
+    Args:
+        compressor: a :class:`~thinwire.compress.base.Compressor` or a registered name.
+        communicator: ``"auto"`` (all-reduce for summable payloads, all-gather otherwise),
+            ``"allreduce"``, ``"allgather"`` or a communicator instance.
+        memory: the error-feedback memory; default: the compressor's own choice.
+        group: the process group; default: the global one.
+        history: how many steps of :class:`StepStats` to keep.
+    """
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "none",
+        *,
+        communicator: str | Communicator = "auto",
+        memory: Memory | None = None,
+        group: dist.ProcessGroup | None = None,
+        history: int = 10_000,
+    ) -> None:
+        self.compressor = build_compressor(compressor)
+        self.communicator = make_communicator(communicator, self.compressor, group)
+        self.memory = memory if memory is not None else self.compressor.make_memory()
+        self.dense = NoCompression()
+        self.step = 0
+        self.history: collections.deque[StepStats] = collections.deque(maxlen=history)
+        self._current = StepStats(step=0)
+        self._worker: OrderedWorker | None = None
+
+    # -- running exchanges ----------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks gradients are averaged over."""
+        return self.communicator.world_size
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self.communicator.rank
+
+    def submit(self, job: Any) -> torch.futures.Future:
+        """Run ``job`` on the exchange thread, after every job submitted before it."""
+        if self._worker is None:
+            self._worker = OrderedWorker()
+        return self._worker.submit(job)
+
+    def exchange(self, items: Sequence[GradientItem]) -> list[Tensor]:
+        """Average ``items``' gradients over all ranks (blocking); returns the means in the
+        gradients' dtypes. Every rank must call this with the same keys and shapes."""
+        started = time.perf_counter()
+        communicate_s = 0.0
+        stats = self._current
+        not_finite = []
+        runs: list[_Run] = []
+        for item in items:
+            check_floating(item.grad, f"gradient of {item.key!r}")
+            if not bool(torch.isfinite(item.grad).all()):
+                not_finite.append(item.key)
+            slot = Slot(item.key, self.step, self.world_size, self.rank)
+            compressed = self.compressor.compresses(item.grad)
+            chosen = self.compressor if compressed else self.dense
+            corrected = self.memory.compensate(item.grad, slot, item.param)
+            runs.append(_Run(slot, compressed, corrected, chosen.exchange(corrected, slot)))
+            stats.dense_bytes += item.grad.numel() * 4
+        first_round = True
+        while True:
+            requests, owners = [], []
+            for run in runs:
+                if run.result is not None:
+                    continue
+                try:
+                    requests.append(run.protocol.send(run.answer))
+                    owners.append(run)
+                except StopIteration as stop:
+                    run.result = stop.value
+            if not requests:
+                break
+            before = time.perf_counter()
+            outcome = self.communicator.execute(requests, poison=first_round and bool(not_finite))
+            communicate_s += time.perf_counter() - before
+            stats.traffic.add(outcome.traffic)
+            if outcome.poisoned:
+                raise NonFiniteGradientError(_non_finite_message(self.step, self.rank, not_finite))
+            first_round = False
+            for run, answer in zip(owners, outcome.answers, strict=True):
+                run.answer = answer
+        means = []
+        for item, run in zip(items, runs, strict=True):
+            assert run.result is not None
+            self.memory.update(run.corrected, run.result, run.slot, run.compressed)
+            means.append(run.result.mean.reshape(item.grad.shape).to(item.grad.dtype))
+        stats.tensors += len(items)
+        stats.communicate_s += communicate_s
+        stats.compress_s += time.perf_counter() - started - communicate_s
+        return means
+
+    def end_step(self) -> StepStats:
+        """Close the current optimizer step: record its statistics, advance the counter."""
+        stats = self._current
+        stats.payload_bytes = stats.traffic.payload
+        stats.sent_bytes = stats.traffic.sent
+        stats.received_bytes = stats.traffic.received
+        stats.collectives = stats.traffic.collectives
+        self.history.append(stats)
+        self.step += 1
+        self._current = StepStats(step=self.step)
+        return stats
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Statistics of the last finished step, if any."""
+        return self.history[-1] if self.history else None
+
+    def close(self) -> None:
+        """Stop the exchange thread (it is a daemon; closing is optional)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # -- agreement between ranks ----------------------------------------------------------
+
+    def verify(self, shapes: Iterable[tuple[str, torch.Size]]) -> None:
+        """Check that every rank has the same parameters and the same compressor setup;
+        raise :class:`RankMismatchError` naming what differs. Collective: all ranks call it."""
+        shapes = list(shapes)
+        layout = ";".join(f"{name}:{tuple(shape)}" for name, shape in shapes)
+        setup = f"{self.compressor!r}|{self.communicator.name}|{type(self.memory).__name__}"
+        mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.communicator.group)
+        problems = []
+        for rank, theirs in enumerate(everyone):
+            if theirs[0] != mine[0]:
+                problems.append(f"rank {rank} has different parameters (names or shapes)")
+            if theirs[1] != mine[1]:
+                problems.append(f"rank {rank} uses a different compressor or communicator")
+        if problems:
+            raise RankMismatchError(
+                f"ranks disagree (seen from rank {self.rank}): {'; '.join(problems)}. "
+                f"This rank has {len(shapes)} parameters and uses {setup}. Every rank must "
+                "build the same model and call thinwire with the same compressor options."
+            )
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue exactly: step, compressor, memory."""
+        return {
+            "step": self.step,
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        missing = {"step", "compressor", "memory"} - set(state)
+        if missing:
+            raise ValueError(f"not a thinwire exchange state: missing {sorted(missing)}")
+        self.step = int(state["step"])
+        self._current = StepStats(step=self.step)
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _non_finite_message(step: int, rank: int, keys: list[str]) -> str:
+    where = (
+        f"on this rank ({rank}) in {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+        if keys
+        else f"on another rank (rank {rank}'s own gradients were finite)"
+    )
+    return (
+        f"non-finite gradient (NaN or Inf) at step {step}, {where}; the averaged gradient "
+        "would be garbage, so no rank applied it. Lower the learning rate, clip gradients, "
+        "or check the loss and the input data for NaN/Inf."
+    )

@@ -1,0 +1,149 @@
+"""The front end for code without DDP: wrap the optimizer.
+
+    opt = thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model, "powersgd", rank=2)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+At construction the wrapper checks that every rank has the same parameters and compressor
+setup and broadcasts rank 0's parameters. ``step()`` averages the gradients through the
+compressor, bucket by bucket (about ``bucket_cap_mb`` each, in reverse parameter order as
+DDP does), then calls the wrapped optimizer. Call ``step()`` once per optimizer step:
+under gradient accumulation the exchange and error feedback run once, not per backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire.comm.collectives import Communicator
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.compress.base import Compressor, Memory
+from thinwire.compress.registry import compressor as build_compressor
+
+
+class DistributedOptimizer:
+    """Averages gradients through a thinwire compressor before each optimizer step.
+
+    Args:
+        optimizer: the local optimizer over the model's parameters.
+        model: the model, or an iterable of ``(name, parameter)`` pairs.
+        compressor: a registered name or a :class:`Compressor` instance.
+        communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
+        memory: override the compressor's default error-feedback memory.
+        bucket_cap_mb: gradients are exchanged in buckets of about this size.
+        group: the process group; default: the global one.
+        broadcast_parameters: copy rank 0's parameters to every rank at construction.
+        **options: compressor options when ``compressor`` is a name.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Iterable[tuple[str, nn.Parameter]],
+        compressor: str | Compressor = "none",
+        *,
+        communicator: str | Communicator = "auto",
+        memory: Memory | None = None,
+        bucket_cap_mb: float = 25.0,
+        group: dist.ProcessGroup | None = None,
+        broadcast_parameters: bool = True,
+        **options: Any,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        built = build_compressor(compressor, **options)
+        built.check_optimizer(optimizer)
+        named = model.named_parameters() if isinstance(model, nn.Module) else model
+        self.parameters = [(name, p) for name, p in named if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("the model has no parameters that require gradients")
+        self.optimizer = optimizer
+        self.engine = GradientExchange(built, communicator=communicator, memory=memory, group=group)
+        self.engine.verify((name, p.shape) for name, p in self.parameters)
+        if broadcast_parameters:
+            with torch.no_grad():
+                for _, p in self.parameters:
+                    dist.broadcast(
+                        p.data, src=dist.get_global_rank(group, 0) if group else 0, group=group
+                    )
+        self.buckets = _buckets(self.parameters, int(bucket_cap_mb * 2**20))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (learning-rate schedulers use these)."""
+        return self.optimizer.param_groups
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Statistics of the last exchange."""
+        return self.engine.last_step
+
+    def synchronize(self) -> None:
+        """Average every gradient over the ranks, in place. Parameters without a gradient
+        on this rank contribute zeros, so every rank issues the same collectives."""
+        futures = []
+        for bucket in self.buckets:
+            items = []
+            for name, p in bucket:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                items.append(GradientItem(name, p.grad, p))
+            futures.append(
+                (items, self.engine.submit(lambda items=items: self.engine.exchange(items)))
+            )
+        for items, future in futures:
+            for item, mean in zip(items, future.wait(), strict=True):
+                item.grad.copy_(mean)
+        self.engine.end_step()
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Evaluate ``closure`` (if any), average the gradients, then step the optimizer."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (as the wrapped optimizer does)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state and thinwire's (residuals, momenta, Q, RNG, step)."""
+        return {"optimizer": self.optimizer.state_dict(), "thinwire": self.engine.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if set(state) != {"optimizer", "thinwire"}:
+            raise ValueError(
+                "not a thinwire.DistributedOptimizer state dict (expected keys 'optimizer' "
+                f"and 'thinwire', got {sorted(state)})"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.load_state_dict(state["thinwire"])
+
+
+def _buckets(
+    parameters: list[tuple[str, nn.Parameter]], cap_bytes: int
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split parameters, last first (the order backward produces them), into buckets of
+    at most ``cap_bytes`` (a larger parameter gets a bucket of its own)."""
+    buckets: list[list[tuple[str, nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in reversed(parameters):
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, p))
+        size += nbytes
+    return buckets
