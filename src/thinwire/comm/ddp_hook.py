@@ -1,13 +1,13 @@
 """The DDP front end: ``thinwire.register(ddp_model, "dgc", density=0.001)``.
 
+(No ``from __future__ import annotations`` here: DDP inspects the hook's annotations.)
+
 DDP calls a communication hook once per gradient bucket, in bucket order on every rank, and
 waits for the returned futures at the end of the backward pass. thinwire's hook queues the
 bucket's exchange on the engine's ordered thread and returns at once, so compression and
 communication of early buckets overlap the rest of the backward pass. The future resolves
 to the bucket buffer holding the averaged gradients; the last bucket closes the step.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +73,9 @@ def register(
     return engine
 
 
-def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def compressed_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket through the engine, asynchronously."""
     buffer = bucket.buffer()
     params = bucket.parameters()

@@ -1,0 +1,177 @@
+"""Run functions on N local processes joined by gloo on 127.0.0.1 (demos, tests, benches).
+
+    with LocalPool(4) as pool:                 # 4 processes, started once
+        a = pool.run(train, "dgc")             # train(rank, 4, "dgc") on every rank
+        b = pool.run(train, "powersgd")
+    results = run_local(train, 4, args=("dgc",))   # a pool for one job
+
+Each process initialises ``torch.distributed`` (gloo on a free port, one thread), then runs
+the jobs it is given: ``fn(rank, world_size, *args)``, whose return value must be picklable
+(numbers, lists, numpy arrays; not tensors). A job that raises on any rank, or exceeds its
+timeout, raises here with the failing rank's traceback, and the pool is shut down (a
+broken process group is not reused). Processes are started with ``spawn``, so ``fn`` must
+be importable (defined at module level). On real machines use ``torchrun`` instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_local_group(
+    rank: int, world_size: int, port: int, timeout_s: float = 60.0, host: str = "127.0.0.1"
+) -> None:
+    """Join a gloo process group of ``world_size`` processes at ``host:port``."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _serve(
+    rank: int, world_size: int, port: int, timeout_s: float, jobs: Any, results: Any
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        init_local_group(rank, world_size, port, timeout_s)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        while (job := jobs.get()) is not None:
+            fn, args = job
+            try:
+                results.put((rank, True, fn(rank, world_size, *args)))
+            except BaseException:
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalPool:
+    """``world_size`` local processes in one gloo process group, reused across jobs.
+
+    Args:
+        world_size: number of processes (ranks).
+        collective_timeout_s: the process group's timeout: a collective that waits longer
+            (a peer died) raises on the ranks still alive.
+    """
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    collective_timeout_s,
+                    self._jobs[rank],
+                    self._results,
+                ),
+                daemon=True,
+                name=f"thinwire-rank{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.closed = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
+        if self.closed:
+            raise RuntimeError("this LocalPool was shut down (after a failure); make a new one")
+        for jobs in self._jobs:
+            jobs.put((fn, args))
+        collected: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(collected) < self.world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"{fn.__name__} did not finish on {self.world_size} local processes "
+                        f"within {timeout:.0f} s (ranks done: {sorted(collected)})"
+                    )
+                try:
+                    rank, ok, value = self._results.get(timeout=min(remaining, 0.5))
+                except queue.Empty:
+                    self._check_alive(collected)
+                    continue
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")
+                collected[rank] = value
+        except BaseException:
+            self.close(force=True)
+            raise
+        return [collected[rank] for rank in range(self.world_size)]
+
+    def _check_alive(self, collected: dict[int, Any]) -> None:
+        for rank, proc in enumerate(self._procs):
+            if rank not in collected and not proc.is_alive():
+                raise RuntimeError(
+                    f"rank {rank} exited with code {proc.exitcode} without a result "
+                    "(killed, out of memory, or crashed in C++)"
+                )
+
+    def close(self, force: bool = False) -> None:
+        """Stop the processes: politely (finish, leave the group) unless ``force``."""
+        if self.closed:
+            return
+        self.closed = True
+        if not force:
+            for jobs in self._jobs:
+                jobs.put(None)
+        for proc in self._procs:
+            proc.join(timeout=0.1 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> LocalPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)
+
+
+def run_local(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    timeout: float = 600.0,
+    collective_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` once on ``nprocs`` fresh processes."""
+    with LocalPool(nprocs, collective_timeout_s) as pool:
+        return pool.run(fn, *args, timeout=timeout)

@@ -1,0 +1,1 @@
+"""Real training tasks on data that ships offline."""
