@@ -240,8 +240,12 @@ def _as_bytes(tensor: Tensor) -> Tensor:
 
 def _split_bytes(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     sizes = [t.numel() * t.element_size() for t in like]
-    pieces = buffer.split(sizes)
-    return [p.view(t.dtype).view(t.shape) for p, t in zip(pieces, like, strict=True)]
+    out = []
+    for piece, t in zip(buffer.split(sizes), like, strict=True):
+        if piece.storage_offset() % t.element_size():
+            piece = piece.clone()  # misaligned for a view as t.dtype: copy (payloads are small)
+        out.append(piece.view(t.dtype).view(t.shape))
+    return out
 
 
 def _reduce_locally(op: Op, per_rank: list[list[Tensor]]) -> list[Tensor]:
