@@ -106,17 +106,18 @@ class Communicator(ABC):
                 raise IncompatibleCompressorError(
                     f"communicator {self.name!r} cannot execute a {request.op.value!r} request"
                 )
+        return self._execute(requests, poison)
+
+    def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Call one ``torch.distributed`` collective; turn its failure into a clear error."""
         try:
-            return self._execute(requests, poison)
+            fn(*args, group=self.group, **kwargs)
         except RuntimeError as error:
-            if _is_timeout(error):
-                raise CommunicationError(
-                    f"a {self.name} collective on rank {self.rank} of {self.world_size} failed "
-                    f"or timed out (process group timeout: {self.timeout}): a peer rank has "
-                    "probably died, diverged or stalled; check the other ranks' output. "
-                    f"({error})"
-                ) from error
-            raise
+            raise CommunicationError(
+                f"a {self.name} collective on rank {self.rank} of {self.world_size} failed or "
+                f"timed out (process group timeout: {self.timeout}): a peer rank has probably "
+                f"died, diverged or stalled; check the other ranks' output. ({error})"
+            ) from error
 
     @abstractmethod
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult: ...
@@ -144,7 +145,7 @@ class AllReduceCommunicator(Communicator):
             if poison:
                 flat.fill_(math.inf if op is Op.MAX else math.nan)
             reduce_op = dist.ReduceOp.SUM if op is Op.SUM else dist.ReduceOp.MAX
-            dist.all_reduce(flat, op=reduce_op, group=self.group)
+            self._collective(dist.all_reduce, flat, op=reduce_op)
             traffic.add(
                 _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
             )
@@ -166,7 +167,7 @@ class AllGatherCommunicator(Communicator):
             [_as_bytes(t) for t in tensors] + [torch.tensor([int(poison)], dtype=torch.uint8)]
         )
         gathered = torch.empty(self.world_size * own.numel(), dtype=torch.uint8)
-        _all_gather_single(gathered, own, group=self.group)
+        self._collective(_all_gather_single, gathered, own)
         per_rank = gathered.view(self.world_size, own.numel())
         poisoned = bool(per_rank[:, -1].any())
         traffic = _ring_allgather_traffic(own.numel(), self.world_size)
@@ -275,8 +276,3 @@ def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None
         return backend.options._timeout  # type: ignore[union-attr]
     except Exception:
         return None
-
-
-def _is_timeout(error: RuntimeError) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text or "connection closed" in text

@@ -1,0 +1,190 @@
+"""Bad input gives a clear error on every rank, never a hang or silent garbage."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import thinwire
+from thinwire.comm.engine import GradientExchange, GradientItem
+from thinwire.launch import free_port, init_local_group
+from thinwire.tasks.digits import DigitsMLP
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+# -- options, checked without any process group -------------------------------------------
+
+
+def test_unknown_compressor_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown compressor 'dgx'.*none.*topk"):
+        thinwire.compressor("dgx")
+
+
+def test_unknown_option_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"no option\(s\) densty.*density"):
+        thinwire.compressor("topk", densty=0.1)
+
+
+@pytest.mark.parametrize("density", [0, -0.5, 1.5, float("nan"), "0.1"])
+def test_density_outside_unit_interval_is_refused(density) -> None:
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+        thinwire.compressor("topk", density=density)
+
+
+def test_register_needs_a_ddp_model() -> None:
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        thinwire.register(nn.Linear(2, 2), "none")
+
+
+# -- collective errors, on 2 ranks ----------------------------------------------------------
+
+
+def nan_on_one_rank(rank: int, world: int, compressor: str, options: dict) -> str:
+    """Rank 1 feeds a NaN; every rank must raise NonFiniteGradientError from backward."""
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    thinwire.register(model, compressor, **options)
+    x = torch.randn(4, 8)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    try:
+        model(x).sum().backward()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("compressor", "options"),
+    [
+        ("none", {}),
+        ("topk", {"density": 0.1}),
+        ("randomk", {"density": 0.01}),  # the NaN entries are probably not even sampled
+        ("terngrad", {}),  # a max round first
+        ("powersgd", {"rank": 1}),  # two sum rounds
+    ],
+)
+def test_nan_gradient_on_one_rank_fails_every_rank(pool2, compressor: str, options: dict) -> None:
+    messages = pool2.run(nan_on_one_rank, compressor, options, timeout=60)
+    assert "non-finite gradient" in messages[0] and "another rank" in messages[0], messages[0]
+    assert "non-finite gradient" in messages[1] and "on this rank (1)" in messages[1], messages[1]
+
+
+def integer_gradient(rank: int, world: int) -> str:
+    engine = GradientExchange("none")
+    try:
+        engine.exchange([GradientItem("counts", torch.ones(3, dtype=torch.int64))])
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_non_floating_gradient_is_refused(pool2) -> None:
+    for message in pool2.run(integer_gradient):
+        assert "'counts'" in message and "torch.int64" in message and "floating" in message
+
+
+def mismatched_models(rank: int, world: int) -> str:
+    model = DigitsMLP(hidden=32 if rank == 0 else 48)
+    try:
+        thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_mismatched_model_shapes_across_ranks(pool2) -> None:
+    messages = pool2.run(mismatched_models)
+    assert "rank 1 has different parameters" in messages[0]
+    assert "rank 0 has different parameters" in messages[1]
+
+
+def mismatched_options(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(8, 8))
+    try:
+        thinwire.register(model, "topk", density=0.1 if rank == 0 else 0.2)
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_mismatched_compressor_options_across_ranks(pool2) -> None:
+    for message in pool2.run(mismatched_options):
+        assert "different compressor" in message and "TopK(density=" in message
+
+
+def gather_only_over_allreduce(rank: int, world: int) -> str:
+    model = DDP(nn.Linear(8, 8))
+    try:
+        thinwire.register(model, "topk", communicator="allreduce", density=0.1)
+    except thinwire.IncompatibleCompressorError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_gather_only_compressor_over_allreduce_names_both(pool2) -> None:
+    for message in pool2.run(gather_only_over_allreduce):
+        assert "'topk'" in message and "'allreduce'" in message and "allgather" in message
+
+
+# -- a peer that dies mid-run: the survivor gets a clear error within the timeout ----------
+
+
+def _survivor_or_casualty(rank: int, port: int, fate: str, results: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    init_local_group(rank, 2, port, timeout_s=4)
+    torch.manual_seed(0)
+    model = DigitsMLP(hidden=16)
+    opt = thinwire.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "topk", density=0.1
+    )
+    for step in range(20):
+        if rank == 1 and step == 3:
+            if fate == "stalls":
+                time.sleep(30)  # alive but silent: only the timeout can tell
+            os._exit(0)  # dies without a word, as a killed process would
+        model(torch.randn(4, 64)).sum().backward()
+        try:
+            opt.step()
+        except thinwire.CommunicationError as error:
+            results.put(("error", step, str(error)))
+            return
+    results.put(("finished", 20, ""))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fate", ["dies", "stalls"])
+def test_lost_peer_gives_a_communication_error_not_a_hang(fate: str) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_survivor_or_casualty, args=(r, port, fate, results)) for r in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        kind, step, message = results.get(timeout=60)
+    except queue.Empty:
+        pytest.fail("the surviving rank neither failed nor finished within 60 s")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    assert kind == "error" and step == 3, (kind, step, message)
+    assert "peer rank has probably died" in message
