@@ -1,0 +1,70 @@
+"""Core pieces without processes: bit packing, the registry, error feedback, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import thinwire
+from thinwire.cli import main
+from thinwire.compress import Slot, run_locally
+from thinwire.compress.bits import pack, packed_size, unpack
+from thinwire.compress.feedback import ResidualMemory
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([1, 2, 4, 8]), count=st.integers(1, 300), seed=st.integers(0, 99))
+def test_pack_unpack_round_trip(bits: int, count: int, seed: int) -> None:
+    codes = torch.randint(0, 2**bits, (count,), generator=torch.Generator().manual_seed(seed))
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == packed_size(count, bits) == -(-count * bits // 8)
+    assert torch.equal(unpack(packed, bits, count), codes.to(torch.uint8))
+
+
+def test_unsupported_bit_width_is_refused() -> None:
+    with pytest.raises(ValueError, match="bits per code must be one of"):
+        pack(torch.zeros(4, dtype=torch.uint8), 3)
+
+
+def test_registry_lists_every_compressor_with_a_summary() -> None:
+    listing = thinwire.compressors()
+    assert {"none", "topk"} <= set(listing)
+    assert all(isinstance(s, str) and len(s) > 10 for s in listing.values())
+
+
+def test_topk_keeps_exactly_the_largest_entries() -> None:
+    x = torch.randn(40, 50, generator=torch.Generator().manual_seed(0))
+    sent: list[int] = []
+    out = run_locally(thinwire.compressor("topk", density=0.1).exchange(x, Slot("w", 0, 1)), sent)
+    kept = out.mean.reshape(-1) != 0
+    assert int(kept.sum()) == 200
+    threshold = x.abs().reshape(-1).kthvalue(2000 - 200 + 1).values
+    assert bool((x.abs().reshape(-1)[kept] >= threshold).all())
+    assert sent == [200 * 4 + 200 * 4]  # fp32 values + int32 indices
+
+
+def test_residual_memory_conserves_mass_with_topk() -> None:
+    gen = torch.Generator().manual_seed(1)
+    compressor, memory = thinwire.compressor("topk", density=0.05), ResidualMemory()
+    total_in = torch.zeros(30, 30)
+    total_sent = torch.zeros(30, 30)
+    for step in range(12):
+        grad = torch.randn(30, 30, generator=gen)
+        total_in += grad
+        slot = Slot("w", step, 1)
+        corrected = memory.compensate(grad, slot)
+        result = run_locally(compressor.exchange(corrected, slot))
+        memory.update(corrected, result, slot, compressed=True)
+        total_sent += result.mean
+    torch.testing.assert_close(total_sent + memory.residuals["w"], total_in, rtol=0, atol=1e-4)
+    assert float(memory.residuals["w"].abs().sum()) > 0  # something really was held back
+
+
+def test_cli_lists_compressors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compressors"]) == 0
+    shown = capsys.readouterr().out
+    for name in thinwire.compressors():
+        assert name in shown
