@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check .
 
 test: setup lint
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
