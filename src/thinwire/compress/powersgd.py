@@ -1,0 +1,183 @@
+"""PowerSGD (Vogels et al., NeurIPS 2019): one step of power iteration per training step.
+
+With M the tensor as a matrix (``shape[0]`` rows; error feedback already added)::
+
+    P      = M Q                     Q: rank columns, warm-started from the last step
+    P      = orthogonalize(sum over ranks of P)
+    Q      = M^T P                   this rank's Q, the error feedback's reference
+    mean   = P (sum over ranks of Q)^T / N
+    local  = P Q^T                   residual = M - local
+    next Q = (sum over ranks of Q) / N
+
+Only the factors travel, (n + m) * rank numbers instead of n * m, and both are summed.
+The first Q comes from a generator seeded by (seed, key), identical on every rank.
+
+Layout: the factors are kept transposed (rank x n and rank x m, row-major) and computed as
+``P^T = Q^T M^T`` and ``Q^T = P^T M``. At one thread, for a 5000 x 5000 matrix and rank >= 2,
+that is 3x faster for ``M Q`` and 12x faster for ``M^T P`` than the column layout (which
+MKL runs as a slow thin GEMM), and Gram-Schmidt works on contiguous rows.
+
+Buffers: ``mean`` and ``local`` are written into two buffers per tensor key that the next
+exchange of the same key overwrites. A fresh full-size tensor costs more in page faults
+(about 55 ms for 100 MB) than the whole rank-1 round; callers copy the mean into the
+gradient at once (the engine does), and the memory consumes ``local`` in the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.base import (
+    Aggregation,
+    Compressor,
+    Exchange,
+    Exchanged,
+    Request,
+    Slot,
+    check_positive_int,
+)
+from thinwire.compress.randomk import stable_seed
+from thinwire.compress.registry import register_compressor
+
+
+@register_compressor
+@dataclass
+class PowerSGD(Compressor):
+    """Rank-r PowerSGD with warm start; use with error feedback (the default).
+
+    Options:
+        rank: columns of the factors P and Q, an integer >= 1.
+        min_compression: send a tensor dense unless ``n*m >= (n + m) * rank *
+            min_compression``; 0 compresses every matrix.
+        seed: seeds the first Q of every tensor (the same on every rank).
+        eps: added to each column norm in Gram-Schmidt, so zero columns stay finite.
+    """
+
+    rank: int = 1
+    min_compression: float = 2.0
+    seed: int = 0
+    eps: float = 1e-8
+
+    name = "powersgd"
+    summary = "PowerSGD: rank-r factors P, Q summed, warm-started Q, error feedback"
+    aggregation = Aggregation.SUM
+    wants_error_feedback = True
+
+    def __post_init__(self) -> None:
+        self.rank = check_positive_int("rank", self.rank)
+        self.min_compression = _check_non_negative("min_compression", self.min_compression)
+        self.eps = _check_non_negative("eps", self.eps)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        #: the warm start of every tensor key, stored as Q^T (rank x m)
+        self.warm: dict[str, Tensor] = {}
+        self._outputs: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def compresses(self, tensor: Tensor) -> bool:
+        """Matrices (and higher) whose factors are ``min_compression`` times smaller."""
+        if tensor.dim() < 2 or tensor.numel() == 0:
+            return False
+        n, m = tensor.shape[0], tensor.numel() // tensor.shape[0]
+        return (n + m) * min(self.rank, n, m) * self.min_compression <= n * m
+
+    def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
+        """Sum P, orthogonalize, sum Q; mean = P Q^T / N (see the module docstring)."""
+        matrix = tensor.reshape(tensor.shape[0], -1)
+        qt = self._warm_start(slot.key, matrix)
+        (pt_sum,) = yield Request.sum(qt @ matrix.T)  # P^T = (M Q)^T
+        pt = orthogonalize_rows(pt_sum.clone(), self.eps)
+        qt_local = pt @ matrix  # Q^T = (M^T P)^T
+        (qt_sum,) = yield Request.sum(qt_local)
+        qt_mean = qt_sum / slot.world_size
+        mean, local = self._output_buffers(slot.key, matrix)
+        torch.mm(pt.T, qt_mean, out=mean)
+        torch.mm(pt.T, qt_local, out=local)
+        self.warm[slot.key] = self._revive(qt_mean, slot)
+        return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
+
+    # -- warm start -----------------------------------------------------------------------
+
+    def _warm_start(self, key: str, matrix: Tensor) -> Tensor:
+        """Last step's averaged Q^T, or a seeded random one for a new key or shape."""
+        n, m = matrix.shape
+        rank = min(self.rank, n, m)
+        qt = self.warm.get(key)
+        if qt is None or qt.shape != (rank, m):
+            generator = torch.Generator().manual_seed(stable_seed(self.seed, key))
+            qt = torch.randn(rank, m, generator=generator, dtype=matrix.dtype)
+        return qt.to(device=matrix.device, dtype=matrix.dtype)
+
+    def _revive(self, qt: Tensor, slot: Slot) -> Tensor:
+        """Refill rows of Q^T that are exactly zero (an all-zero gradient), which power
+        iteration could never leave; the same on every rank, since Q^T is."""
+        dead = qt.abs().amax(dim=1) == 0
+        if bool(dead.any()):
+            generator = torch.Generator().manual_seed(stable_seed(self.seed, slot.key, slot.step))
+            fresh = torch.randn(qt.shape, generator=generator, dtype=qt.dtype)
+            qt[dead] = fresh.to(qt.device)[dead]
+        return qt
+
+    def _output_buffers(self, key: str, matrix: Tensor) -> tuple[Tensor, Tensor]:
+        """The (mean, local) buffers of ``key``, reused across steps."""
+        buffers = self._outputs.get(key)
+        if (
+            buffers is None
+            or buffers[0].shape != matrix.shape
+            or buffers[0].dtype != (matrix.dtype)
+        ):
+            buffers = (torch.empty_like(matrix), torch.empty_like(matrix))
+            self._outputs[key] = buffers
+        return buffers
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warm-start Q^T of every tensor key."""
+        return {"warm": {key: qt.clone() for key, qt in self.warm.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the warm starts."""
+        unknown = set(state) - {"warm"}
+        if unknown:
+            raise ValueError(f"compressor 'powersgd' got unknown state {sorted(unknown)}")
+        self.warm = {key: qt.clone() for key, qt in state.get("warm", {}).items()}
+
+
+def orthogonalize_rows(matrix: Tensor, eps: float = 1e-8) -> Tensor:
+    """Orthonormalize the rows of ``matrix`` in place and return it.
+
+    Gram-Schmidt, each row projected off the rows before it twice ("twice is enough" for
+    orthogonality in floating point), then divided by ``norm + eps``. A row that keeps less
+    than sqrt(machine epsilon) of its norm was (numerically) a combination of the rows
+    before it and becomes zero instead of normalized rounding noise: rank-deficient inputs
+    give an orthonormal set plus zero rows, never NaN.
+    """
+    tolerance = torch.finfo(matrix.dtype).eps ** 0.5
+    for i in range(matrix.shape[0]):
+        row, done = matrix[i], matrix[:i]
+        before = torch.linalg.vector_norm(row)
+        for _ in range(2 if i else 0):
+            row.sub_((done @ row) @ done)
+        norm = torch.linalg.vector_norm(row)
+        if i and norm <= tolerance * before:
+            row.zero_()
+        else:
+            row.div_(norm + eps)
+    return matrix
+
+
+def _check_non_negative(name: str, value: float) -> float:
+    """Validate an option that must be a finite number >= 0, naming it."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
