@@ -20,7 +20,7 @@ import thinwire
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory
 from thinwire.compress.dgc import DGC, _nonzero, warmup_stages
-from thinwire.compress.feedback import DGCMemory, ResidualMemory
+from thinwire.compress.feedback import DGCMemory, NoMemory, ResidualMemory
 from thinwire.compress.powersgd import PowerSGD, orthogonalize_rows
 from thinwire.compress.randomk import RandomK, sample_without_replacement
 from thinwire.compress.topk import TopK
@@ -554,6 +554,7 @@ def test_registered_by_name_with_summaries() -> None:
     assert isinstance(DGC().make_memory(), DGCMemory)
     assert isinstance(PowerSGD().make_memory(), ResidualMemory)
     assert isinstance(RandomK().make_memory(), ResidualMemory)
+    assert isinstance(RandomK(rescale=True).make_memory(), NoMemory)
 
 
 def test_orthogonalize_rows_stays_orthogonal_for_nearly_dependent_float32_rows() -> None:

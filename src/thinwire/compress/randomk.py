@@ -32,11 +32,13 @@ from thinwire.compress.base import (
     Compressor,
     Exchange,
     Exchanged,
+    Memory,
     Request,
     Slot,
     check_fraction,
     num_selected,
 )
+from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.registry import register_compressor
 
 
@@ -67,6 +69,11 @@ class RandomK(Compressor):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.rescale, bool):
             raise ValueError(f"rescale must be True or False, got {self.rescale!r}")
+
+    def make_memory(self) -> Memory:
+        """Residual error feedback, except when rescaled: the unbiased estimator is meant to
+        be used alone (fed back, the n/k-scaled values would make the residual grow)."""
+        return NoMemory() if self.rescale else ResidualMemory()
 
     def compresses(self, tensor: Tensor) -> bool:
         """Tensors of one dimension (biases, norms) go dense."""
