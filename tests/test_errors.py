@@ -39,6 +39,20 @@ def test_density_outside_unit_interval_is_refused(density) -> None:
         thinwire.compressor("topk", density=density)
 
 
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        lambda params: torch.optim.Adam(params, lr=1e-3),
+    ],
+    ids=["sgd-momentum", "adam"],
+)
+def test_dgc_refuses_an_optimizer_with_its_own_momentum(optimizer) -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"dgc applies momentum=0\.9 itself.*SGD\(momentum=0\)"):
+        thinwire.DistributedOptimizer(optimizer(model.parameters()), model, "dgc")
+
+
 def test_register_needs_a_ddp_model() -> None:
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         thinwire.register(nn.Linear(2, 2), "none")

@@ -1,6 +1,6 @@
 """Gradient compressors, one algorithm per module, registered by name."""
 
-from thinwire.compress import none, topk  # noqa: F401  (registers the built-ins)
+from thinwire.compress import dgc, none, powersgd, randomk, topk  # noqa: F401  (registers them)
 from thinwire.compress.base import (
     Aggregation,
     Compressor,
