@@ -1,9 +1,10 @@
-"""Shared fixtures: process pools spawned once per test module."""
+"""Shared fixtures: process pools spawned once per test module (and again after a failure)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -12,27 +13,47 @@ from thinwire.launch import LocalPool
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _pool(world_size: int) -> Iterator[LocalPool]:
-    pool = LocalPool(world_size, collective_timeout_s=60)
+class RestartingPool:
+    """A :class:`LocalPool` that is started on first use and restarted after a failure,
+    so one failing test does not take the rest of its module down with it."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._pool: LocalPool | None = None
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank."""
+        if self._pool is None or self._pool.closed:
+            self._pool = LocalPool(self.world_size, collective_timeout_s=60)
+        return self._pool.run(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        """Stop the processes."""
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _pool(world_size: int) -> Iterator[RestartingPool]:
+    pool = RestartingPool(world_size)
     try:
         yield pool
     finally:
-        pool.close(force=pool.closed)
+        pool.close()
 
 
 @pytest.fixture(scope="module")
-def pool2() -> Iterator[LocalPool]:
+def pool2() -> Iterator[RestartingPool]:
     """Two gloo ranks on 127.0.0.1, shared by the tests of one module."""
     yield from _pool(2)
 
 
 @pytest.fixture(scope="module")
-def pool4() -> Iterator[LocalPool]:
+def pool4() -> Iterator[RestartingPool]:
     """Four gloo ranks on 127.0.0.1, shared by the tests of one module."""
     yield from _pool(4)
 
 
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
-def pool(request: pytest.FixtureRequest) -> LocalPool:
+def pool(request: pytest.FixtureRequest) -> RestartingPool:
     """Each test that asks for ``pool`` runs on 2 and on 4 ranks."""
     return request.getfixturevalue(f"pool{request.param}")
