@@ -1,6 +1,18 @@
 """Gradient compressors, one algorithm per module, registered by name."""
 
-from thinwire.compress import dgc, none, powersgd, randomk, topk  # noqa: F401  (registers them)
+from thinwire.compress import (  # noqa: F401  (importing registers them)
+    bf16,
+    dgc,
+    fp16,
+    none,
+    onebit,
+    powersgd,
+    qsgd,
+    randomk,
+    signsgd,
+    terngrad,
+    topk,
+)
 from thinwire.compress.base import (
     Aggregation,
     Compressor,

@@ -1,0 +1,564 @@
+"""Quantizers: fp16, bf16, 1-bit SGD, signSGD, TernGrad and QSGD, in one process.
+
+Several ranks are simulated by driving one exchange protocol per rank by hand and answering
+each round as a communicator would: a sum, a maximum, or every rank's payload.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Sequence
+from functools import reduce
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+import thinwire
+from thinwire.compress import Op, Slot, run_locally
+from thinwire.compress.base import Compressor, Exchange, Exchanged
+from thinwire.compress.bf16 import BF16
+from thinwire.compress.feedback import NoMemory, ResidualMemory
+from thinwire.compress.fp16 import FP16
+from thinwire.compress.onebit import OneBit
+from thinwire.compress.qsgd import QSGD
+from thinwire.compress.signsgd import SignSGD
+from thinwire.compress.terngrad import TernGrad
+
+SLOT = Slot("w", 0, 1)
+ALL = [FP16, BF16, OneBit, SignSGD, TernGrad, QSGD]
+STOCHASTIC = [TernGrad, QSGD]
+
+#: Small fp32 tensors with zeros, ties and a wide spread of magnitudes (no subnormals:
+#: their group means and norms underflow, which says nothing about the algorithms).
+small_tensors = st.lists(
+    st.floats(-100, 100, width=32, allow_subnormal=False) | st.sampled_from([0.0, -0.0, 1.0, -1.0]),
+    min_size=1,
+    max_size=24,
+).map(lambda values: torch.tensor(values, dtype=torch.float32))
+
+
+def randn(*shape: int, seed: int = 0) -> Tensor:
+    """A reproducible standard normal tensor."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def bits_per_value(compressor: Compressor, x: Tensor) -> float:
+    """Bits this rank puts on the wire per value of ``x``, over every round."""
+    wire: list[int] = []
+    run_locally(compressor.exchange(x, SLOT), wire)
+    return 8 * sum(wire) / x.numel()
+
+
+def drive(protocols: Sequence[Exchange]) -> list[Exchanged]:
+    """Run one protocol per rank in lock-step, answering each round like a communicator
+    (a sum in the payload's dtype, a maximum, or every rank's tensors); every rank gets its
+    own copy of the answer."""
+    answers: list[Any] = [None] * len(protocols)
+    results: list[Exchanged] = []
+    while True:
+        requests = []
+        for rank, protocol in enumerate(protocols):
+            try:
+                requests.append(protocol.send(answers[rank]))
+            except StopIteration as stop:
+                results.append(stop.value)
+        if not requests:
+            return results
+        assert len(requests) == len(protocols), "ranks finished after different rounds"
+        op = requests[0].op
+        assert all(r.op is op for r in requests)
+        if op is Op.GATHER:
+            answer: Any = [list(r.tensors) for r in requests]
+        else:
+            combine = torch.add if op is Op.SUM else torch.maximum
+            answer = [reduce(combine, column) for column in zip(*(r.tensors for r in requests))]
+        answers = [_copy(answer) for _ in protocols]
+
+
+def _copy(answer: Any) -> Any:
+    if isinstance(answer, Tensor):
+        return answer.clone()
+    return [_copy(item) for item in answer]
+
+
+def bernstein_tolerance(variance: Tensor, spread: Tensor, draws: int, delta: float) -> Tensor:
+    """The ε for which Bernstein's inequality bounds the chance that the mean of ``draws``
+    independent copies of a variable with this ``variance`` and ``|X - E X| <= spread``
+    misses ``E X`` by ε or more by ``delta``: 2 exp(-K ε² / (2 σ² + 2 R ε / 3)) = δ."""
+    log_term = math.log(2 / delta)
+    linear = spread * log_term / (3 * draws)
+    return linear + torch.sqrt(linear**2 + 2 * variance * log_term / draws)
+
+
+def average_decodes(compressor: Compressor, x: Tensor, draws: int) -> Tensor:
+    """The mean, in fp64, of ``draws`` decodes of ``x`` (consecutive steps of one rank)."""
+    total = torch.zeros(x.shape, dtype=torch.float64)
+    for step in range(draws):
+        total += run_locally(compressor.exchange(x, Slot("w", step, 1))).mean.double()
+    return total / draws
+
+
+# -- every compressor -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda cls: cls.name)
+def test_registered_by_name_with_a_summary(cls: type[Compressor]) -> None:
+    built = thinwire.compressor(cls.name)
+    assert type(built) is cls
+    assert len(cls.summary) > 20
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda cls: cls.name)
+def test_input_is_left_alone_and_outputs_are_fresh(cls: type[Compressor]) -> None:
+    x = randn(30, 7).t()  # not contiguous
+    before = x.clone()
+    result = run_locally(cls().exchange(x, SLOT))
+    assert torch.equal(x, before)
+    assert result.mean.shape == result.local.shape == x.shape
+    assert result.mean.dtype == result.local.dtype == torch.float32
+    for out in (result.mean, result.local):
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    # Alone in the world, the mean is what this rank sent (up to the division by N = 1).
+    torch.testing.assert_close(result.mean, result.local, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda cls: cls.name)
+@pytest.mark.parametrize("shape", [(0,), (4, 0), (5, 3)], ids=["empty", "empty-2d", "zeros"])
+def test_zero_and_empty_tensors_give_zeros(cls: type[Compressor], shape: tuple[int, ...]) -> None:
+    result = run_locally(cls().exchange(torch.zeros(shape), SLOT))
+    assert result.mean.shape == shape
+    assert torch.equal(result.mean, torch.zeros(shape))
+    assert torch.equal(result.local, torch.zeros(shape))
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda cls: cls.name)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_non_floating_tensors_are_refused(cls: type[Compressor], dtype: torch.dtype) -> None:
+    with pytest.raises(TypeError, match=rf"{dtype}.*floating-point gradients only"):
+        run_locally(cls().exchange(torch.ones(6, dtype=dtype), SLOT))
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "message"),
+    [
+        (TernGrad, {"clip_sigma": 0}, r"clip_sigma must be a number > 0 or None, got 0\b"),
+        (TernGrad, {"clip_sigma": -2.5}, r"clip_sigma .* got -2\.5"),
+        (TernGrad, {"clip_sigma": float("nan")}, r"clip_sigma .* got nan"),
+        (TernGrad, {"clip_sigma": "2.5"}, r"clip_sigma .* got '2\.5'"),
+        (TernGrad, {"clip_sigma": True}, r"clip_sigma .* got True"),
+        (TernGrad, {"seed": 1.5}, r"seed must be an integer, got 1\.5"),
+        (QSGD, {"levels": 0}, r"levels must be an integer >= 1, got 0"),
+        (QSGD, {"levels": 2.5}, r"levels must be an integer >= 1, got 2\.5"),
+        (QSGD, {"levels": True}, r"levels must be an integer >= 1, got True"),
+        (QSGD, {"levels": 128}, r"levels must be at most 127 .*got 128"),
+        (QSGD, {"seed": "7"}, r"seed must be an integer, got '7'"),
+        (SignSGD, {"error_feedback": 1}, r"error_feedback must be True or False, got 1"),
+    ],
+)
+def test_bad_options_are_refused_by_name(
+    cls: type[Compressor], options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        cls(**options)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda cls: cls.name)
+def test_unknown_options_are_refused_through_the_registry(cls: type[Compressor]) -> None:
+    with pytest.raises(ValueError, match=rf"{cls.name!r} has no option\(s\) density"):
+        thinwire.compressor(cls.name, density=0.5)
+
+
+@pytest.mark.parametrize(
+    ("compressor", "memory"),
+    [
+        (FP16(), NoMemory),
+        (BF16(), NoMemory),
+        (OneBit(), ResidualMemory),
+        (SignSGD(), ResidualMemory),
+        (SignSGD(error_feedback=False), NoMemory),
+        (TernGrad(), NoMemory),
+        (QSGD(), NoMemory),
+    ],
+    ids=repr,
+)
+def test_default_error_feedback(compressor: Compressor, memory: type) -> None:
+    assert type(compressor.make_memory()) is memory
+
+
+@pytest.mark.parametrize("cls", [OneBit, TernGrad, QSGD], ids=lambda cls: cls.name)
+def test_gathered_mean_is_the_average_of_what_each_rank_sent(cls: type[Compressor]) -> None:
+    xs = [randn(50, seed=rank) * (rank + 1) for rank in range(3)]
+    results = drive([cls().exchange(x, Slot("w", 0, 3, rank)) for rank, x in enumerate(xs)])
+    expected = sum(r.local for r in results) / 3
+    for result in results:
+        torch.testing.assert_close(result.mean, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(result.mean, results[0].mean)  # bitwise the same on every rank
+
+
+# -- fp16 and bf16 --------------------------------------------------------------------------
+
+HALVES = [
+    # (compressor, unit roundoff, smallest normal, a safe largest value)
+    (FP16, 2**-11, 2**-14, 65504.0),
+    (BF16, 2**-8, 2**-126, 2.0**126),
+]
+
+
+@pytest.mark.parametrize(("cls", "roundoff", "smallest", "largest"), HALVES, ids=["fp16", "bf16"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_half_precision_round_trip_is_within_one_rounding(
+    data: st.DataObject, cls: type[Compressor], roundoff: float, smallest: float, largest: float
+) -> None:
+    magnitude, sign = st.floats(smallest, largest, width=32), st.sampled_from([-1.0, 1.0])
+    values = data.draw(st.lists(st.tuples(magnitude, sign), min_size=1, max_size=50))
+    x = torch.tensor([m * s for m, s in values])
+    result = run_locally(cls().exchange(x, SLOT))
+    assert bool(((result.mean - x).abs() <= roundoff * x.abs()).all())
+    assert torch.equal(result.local, result.mean)
+
+
+@pytest.mark.parametrize(("cls", "dtype"), [(FP16, torch.float16), (BF16, torch.bfloat16)])
+def test_half_precision_sends_16_bits_per_value_in_one_sum(
+    cls: type[Compressor], dtype: torch.dtype
+) -> None:
+    x = randn(1000)
+    request = cls().exchange(x, SLOT).send(None)
+    assert request.op is Op.SUM
+    assert [t.dtype for t in request.tensors] == [dtype]
+    assert bits_per_value(cls(), x) == 16.0
+
+
+def test_fp16_divides_before_the_sum_so_it_stays_in_range() -> None:
+    # 4 ranks near fp16's largest value: a sum of undivided payloads would overflow to inf.
+    xs = [torch.tensor([60000.0, -60000.0, 3.0]) + rank for rank in range(4)]
+    results = drive([FP16().exchange(x, Slot("w", 0, 4, rank)) for rank, x in enumerate(xs)])
+    exact = torch.stack(xs).mean(0)
+    for result in results:
+        assert bool(torch.isfinite(result.mean).all())
+        assert bool(((result.mean - exact).abs() <= 4 * 2**-11 * exact.abs()).all())
+    torch.testing.assert_close(results[2].local, xs[2], rtol=2**-11, atol=0)
+
+
+def test_fp16_divides_before_casting_so_large_gradients_survive() -> None:
+    # 100000 is beyond fp16 (65504) but 100000 / 4 is not, and neither is the mean.
+    xs = [torch.tensor([100_000.0]), torch.tensor([-90_000.0]), torch.tensor([10.0])]
+    xs.append(torch.tensor([10.0]))
+    results = drive([FP16().exchange(x, Slot("w", 0, 4, rank)) for rank, x in enumerate(xs)])
+    # Each payload and each partial sum rounds once, and none exceeds sum |x_r| / N.
+    bound = 2 * 2**-11 * sum(float(x.abs().sum()) for x in xs) / 4
+    torch.testing.assert_close(results[0].mean, torch.tensor([2505.0]), rtol=0, atol=bound)
+    torch.testing.assert_close(results[0].local, xs[0], rtol=2**-11, atol=0)
+
+
+# -- 1-bit SGD ------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=small_tensors)
+def test_onebit_keeps_signs_and_the_mean_of_each_sign_group(x: Tensor) -> None:
+    compressor = OneBit()
+    decoded = run_locally(compressor.exchange(x, SLOT)).mean
+    plus = x >= 0
+    assert bool((decoded[x > 0] > 0).all()) and bool((decoded[x < 0] < 0).all())
+    for group in (plus, ~plus):
+        if bool(group.any()):
+            values = decoded[group]
+            assert bool((values == values[0]).all())  # one value per sign group
+            group_mean = x[group].double().mean()
+            error = abs(float(values[0]) - float(group_mean))
+            assert error <= 1e-6 * abs(float(group_mean)) + 1e-44  # + a subnormal's spacing
+    payload, numel = compressor.compress(x, SLOT)
+    assert torch.equal(compressor.decompress(payload, numel), decoded)
+
+
+@pytest.mark.parametrize("numel", [1000, 1001, 4096, 100_000])
+def test_onebit_sends_at_most_1_1_bits_per_value(numel: int) -> None:
+    bits = bits_per_value(OneBit(), randn(numel))
+    assert bits == 8 * (math.ceil(numel / 8) + 8) / numel  # packed signs + two fp32 scales
+    assert bits <= 1.1
+
+
+# -- signSGD --------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=small_tensors)
+def test_signsgd_sends_sign_times_mean_magnitude(x: Tensor) -> None:
+    compressor = SignSGD()
+    local = run_locally(compressor.exchange(x, SLOT)).local
+    expected = torch.where(x >= 0, 1.0, -1.0) * x.abs().mean()
+    torch.testing.assert_close(local, expected, rtol=1e-6, atol=0)
+    payload, numel = compressor.compress(x, SLOT)
+    assert torch.equal(compressor.decompress(payload, numel), local)
+
+
+@pytest.mark.parametrize("numel", [1000, 4096])
+def test_signsgd_sends_about_one_bit_per_value(numel: int) -> None:
+    bits = bits_per_value(SignSGD(), randn(numel))
+    assert bits == 8 * (math.ceil(numel / 8) + 4) / numel  # packed signs + one fp32 scale
+    assert bits <= 1.04
+
+
+def vote(xs: Sequence[Tensor]) -> list[Exchanged]:
+    """signSGD's exchange on one rank per tensor of ``xs``."""
+    world = len(xs)
+    return drive([SignSGD().exchange(x, Slot("w", 0, world, rank)) for rank, x in enumerate(xs)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(1, 5), numel=st.integers(1, 30), seed=st.integers(0, 10_000))
+def test_signsgd_majority_vote(world: int, numel: int, seed: int) -> None:
+    xs = [randn(numel, seed=seed + rank) for rank in range(world)]
+    results = vote(xs)
+    votes = sum(torch.where(x >= 0, 1.0, -1.0) for x in xs)
+    scale = torch.stack([x.abs().mean() for x in xs]).mean()
+    for result in results:
+        torch.testing.assert_close(result.mean, votes.sign() * scale, rtol=1e-6, atol=0)
+
+
+def test_signsgd_vote_counts_ranks_not_magnitudes_and_ties_give_zero() -> None:
+    three = vote([torch.tensor([10.0, 1.0]), torch.tensor([-1.0, 1.0]), torch.tensor([-1.0, -9.0])])
+    scale = (5.5 + 1.0 + 5.0) / 3
+    torch.testing.assert_close(three[0].mean, torch.tensor([-scale, scale]))  # 1 for, 2 against
+    four = vote([torch.tensor([1.0, 2.0])] * 2 + [torch.tensor([-1.0, 2.0])] * 2)
+    torch.testing.assert_close(four[0].mean, torch.tensor([0.0, 1.5]))
+
+
+# -- error feedback -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compressor", [OneBit(), SignSGD()], ids=repr)
+def test_error_feedback_conserves_mass(compressor: Compressor) -> None:
+    memory = compressor.make_memory()
+    assert isinstance(memory, ResidualMemory)
+    total_in, total_sent = torch.zeros(20, 30), torch.zeros(20, 30)
+    for step in range(10):
+        grad = randn(20, 30, seed=step) + 0.3  # a drift the residual has to carry
+        total_in += grad
+        slot = Slot("w", step, 1)
+        corrected = memory.compensate(grad, slot)
+        before = corrected.clone()
+        result = run_locally(compressor.exchange(corrected, slot))
+        assert torch.equal(corrected, before)
+        memory.update(corrected, result, slot, compressed=True)
+        total_sent += result.mean  # what the receivers got
+    residual = memory.residuals["w"]
+    torch.testing.assert_close(total_sent + residual, total_in, rtol=0, atol=1e-4)
+    assert float(residual.abs().sum()) > 1.0  # something really was held back
+    assert float(residual.norm()) < float(total_in.norm()) / 3  # and most of it was sent
+
+
+# -- TernGrad -------------------------------------------------------------------------------
+
+
+def clipped(x: Tensor, sigma: float = 2.5) -> Tensor:
+    """TernGrad's clipping, computed independently: at ``sigma`` root-mean-squares."""
+    bound = sigma * float(x.double().square().mean().sqrt())
+    return x.double().clamp(-bound, bound)
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=small_tensors)
+def test_terngrad_sends_the_shared_scaler_times_a_ternary(x: Tensor) -> None:
+    c = clipped(x)
+    s = float(c.abs().max())
+    decoded = run_locally(TernGrad().exchange(x, SLOT)).mean.double()
+    magnitudes = set(decoded.abs().tolist()) - {0.0}
+    assert len(magnitudes) <= 1  # every entry is -s, 0 or s
+    assert all(m == pytest.approx(s, rel=1e-6) for m in magnitudes)
+    assert bool((decoded * c >= 0).all())  # a ternary never has the wrong sign
+    peak = c.abs() == s
+    torch.testing.assert_close(decoded[peak], c[peak], rtol=1e-6, atol=0)  # probability 1
+
+
+def test_terngrad_clips_outliers_at_2_5_root_mean_squares() -> None:
+    x = randn(1000)
+    x[17] = 100.0
+    with_clip = run_locally(TernGrad().exchange(x, SLOT)).mean
+    bound = 2.5 * float(x.square().mean().sqrt())
+    assert float(with_clip.abs().max()) == pytest.approx(bound, rel=1e-6)
+    without = run_locally(TernGrad(clip_sigma=None).exchange(x, SLOT)).mean
+    assert float(without.abs().max()) == 100.0
+
+
+def test_terngrad_shares_the_largest_scaler_through_a_max_round() -> None:
+    xs = [randn(200, seed=1), 10 * randn(200, seed=2)]
+    first = TernGrad().exchange(xs[0], Slot("w", 0, 2)).send(None)
+    assert first.op is Op.MAX and first.tensors[0].numel() == 1
+    protocols = [
+        TernGrad(clip_sigma=None).exchange(x, Slot("w", 0, 2, r)) for r, x in enumerate(xs)
+    ]
+    results = drive(protocols)
+    s = float(torch.stack([x.abs().max() for x in xs]).max())
+    for result in results:
+        assert set(result.local.abs().unique().tolist()) <= {0.0, s}
+    assert float(results[0].local.abs().max()) == s  # rank 0 uses rank 1's larger scaler
+
+
+@pytest.mark.parametrize("numel", [1000, 1001, 65_536])
+def test_terngrad_sends_at_most_2_1_bits_per_value(numel: int) -> None:
+    wire: list[int] = []
+    run_locally(TernGrad().exchange(randn(numel), SLOT), wire)
+    assert wire == [4, math.ceil(numel / 4)]  # the scaler, then 2-bit codes
+    assert 8 * sum(wire) / numel <= 2.1
+
+
+DRAWS = 2000
+TILES = 50_000
+DELTA = 1e-9  # per entry and example: a correct implementation fails with this chance
+
+
+@settings(max_examples=25, deadline=None)
+@given(x=small_tensors, clip=st.booleans(), seed=st.integers(0, 2**31))
+def test_terngrad_is_unbiased_for_the_clipped_tensor(x: Tensor, clip: bool, seed: int) -> None:
+    # TILES copies of x in one tensor have x's clip bound and scaler, so one exchange
+    # gives TILES independent draws of every entry.
+    compressor = TernGrad(clip_sigma=2.5 if clip else None, seed=seed)
+    c = clipped(x) if clip else x.double()
+    s = c.abs().max()
+    decoded = run_locally(compressor.exchange(x.repeat(TILES), SLOT)).mean
+    average = decoded.view(TILES, -1).double().mean(0)
+    # s t is ±s with probability |c|/s, else 0: variance s|c| - c², range s.
+    variance = s * c.abs() - c.square()
+    tolerance = bernstein_tolerance(variance, s, TILES, DELTA) + 1e-5 * s
+    assert bool(((average - c).abs() <= tolerance).all()), (average - c).abs() / tolerance
+
+
+def test_terngrad_average_over_steps_converges_to_the_clipped_tensor() -> None:
+    x = torch.tensor([0.3, -0.05, 0.0, 1.0, -0.7, 0.01])
+    c = clipped(x)
+    s = c.abs().max()
+    tolerance = bernstein_tolerance(s * c.abs() - c.square(), s, DRAWS, DELTA) + 1e-6 * s
+    assert bool(((average_decodes(TernGrad(), x, DRAWS) - c).abs() <= tolerance).all())
+
+
+# -- QSGD -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("levels", "bits"), [(1, 2), (2, 4), (7, 4), (8, 8), (127, 8)])
+def test_qsgd_packs_codes_in_the_fewest_bits(levels: int, bits: int) -> None:
+    numel = 1000
+    measured = bits_per_value(QSGD(levels=levels), randn(numel))
+    assert measured == 8 * (math.ceil(numel * bits / 8) + 4) / numel  # codes + fp32 norm
+    assert measured <= bits + 0.04
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=small_tensors, levels=st.sampled_from([1, 2, 7, 8, 127]))
+def test_qsgd_rounds_to_a_neighbouring_level(x: Tensor, levels: int) -> None:
+    compressor = QSGD(levels=levels)
+    decoded = run_locally(compressor.exchange(x, SLOT)).mean.double()
+    norm = float(x.double().norm())
+    if norm == 0:
+        assert not bool(decoded.any())
+        return
+    scaled, exact = decoded / norm * levels, x.double() / norm * levels
+    torch.testing.assert_close(scaled, scaled.round(), rtol=0, atol=1e-4)  # on the grid
+    assert bool((scaled.abs() <= levels + 1e-4).all())
+    assert bool(((scaled - exact).abs() < 1 + 1e-4).all())  # floor or ceil of the exact level
+    assert bool((decoded * x >= 0).all())
+    payload, numel = compressor.compress(x, SLOT)  # the next draw, decoded the same way
+    decoded_again = compressor.decompress(payload, numel)
+    assert torch.equal(decoded_again, qsgd_decode(payload, levels, numel))
+
+
+def qsgd_decode(payload: Sequence[Tensor], levels: int, numel: int) -> Tensor:
+    """QSGD's decode, computed independently: ``norm / s * (code - s)``."""
+    packed, norm = payload
+    bits = 2 if levels == 1 else 4 if levels <= 7 else 8
+    codes = [(int(b) >> shift) & (2**bits - 1) for b in packed for shift in range(0, 8, bits)]
+    signed = torch.tensor(codes[:numel], dtype=torch.float32) - levels
+    return signed * (norm / levels)
+
+
+@settings(max_examples=8, deadline=None)
+@given(x=small_tensors, levels=st.sampled_from([1, 3, 7, 100]), seed=st.integers(0, 2**31))
+def test_qsgd_is_unbiased(x: Tensor, levels: int, seed: int) -> None:
+    compressor = QSGD(levels=levels, seed=seed)
+    exact = x.double()
+    step = exact.norm() / levels  # one level, in the units of x
+    fraction = torch.frac(exact.abs() / step) if float(step) > 0 else torch.zeros_like(exact)
+    # Rounded up with probability p (the fraction), else down: variance step² p (1 - p).
+    variance = step**2 * fraction * (1 - fraction)
+    tolerance = bernstein_tolerance(variance, step, DRAWS, DELTA) + 1e-5 * step
+    average = average_decodes(compressor, x, DRAWS)
+    assert bool(((average - exact).abs() <= tolerance).all()), (average - exact).abs() / tolerance
+
+
+# -- private random streams (TernGrad and QSGD) ---------------------------------------------
+
+
+def draw(compressor: Compressor, x: Tensor, step: int, rank: int = 0, world: int = 1) -> Tensor:
+    """This rank's own decode of ``x`` at ``step`` (one draw from its stream)."""
+    protocol = compressor.exchange(x, Slot("w", step, world, rank))
+    if world == 1:
+        return run_locally(protocol).local
+    # Answer as if every rank sent the same as this one: only the local decode matters here.
+    answer: Any = None
+    try:
+        while True:
+            request = protocol.send(answer)
+            same = [list(request.tensors)] * world
+            answer = same if request.op is Op.GATHER else list(request.tensors)
+    except StopIteration as stop:
+        return stop.value.local
+
+
+@pytest.mark.parametrize("cls", STOCHASTIC, ids=lambda cls: cls.name)
+def test_state_dict_makes_a_resumed_run_draw_the_same(cls: Callable[..., Compressor]) -> None:
+    x = randn(300)
+    original = cls(seed=3)
+    for step in range(3):
+        draw(original, x, step)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)  # a checkpoint, through the file format
+    expected = [draw(original, x, step) for step in (3, 4)]
+    resumed = cls(seed=3)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert all(torch.equal(draw(resumed, x, s), e) for s, e in zip((3, 4), expected))
+    restarted = cls(seed=3)  # the same seed without the state starts the stream over
+    assert not torch.equal(draw(restarted, x, 3), expected[0])
+    with pytest.raises(ValueError, match="unknown state"):
+        resumed.load_state_dict({"random": {}, "bogus": 1})
+
+
+@pytest.mark.parametrize("cls", STOCHASTIC, ids=lambda cls: cls.name)
+def test_ranks_draw_independently_and_reproducibly(cls: Callable[..., Compressor]) -> None:
+    x = randn(300)
+    rank0 = draw(cls(), x, 0, rank=0, world=2)
+    rank1 = draw(cls(), x, 0, rank=1, world=2)
+    assert not torch.equal(rank0, rank1)
+    assert torch.equal(draw(cls(), x, 0, rank=0, world=2), rank0)
+    assert not torch.equal(draw(cls(seed=1), x, 0, rank=0, world=2), rank0)
+
+
+@pytest.mark.parametrize("cls", STOCHASTIC, ids=lambda cls: cls.name)
+def test_the_global_random_generator_is_neither_used_nor_obeyed(
+    cls: Callable[..., Compressor],
+) -> None:
+    x = randn(300)
+    torch.manual_seed(1)
+    state = torch.random.get_rng_state()
+    first = draw(cls(), x, 0)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    torch.manual_seed(2)
+    assert torch.equal(draw(cls(), x, 0), first)
+
+
+@pytest.mark.parametrize("cls", STOCHASTIC, ids=lambda cls: cls.name)
+def test_a_stream_refuses_to_draw_for_another_rank(cls: Callable[..., Compressor]) -> None:
+    compressor = cls()
+    draw(compressor, randn(10), 0, rank=0, world=2)
+    with pytest.raises(ValueError, match="belongs to rank 0 but was asked to draw for rank 1"):
+        draw(compressor, randn(10), 1, rank=1, world=2)
+    elsewhere = cls()
+    elsewhere.load_state_dict(compressor.state_dict())  # rank 0's checkpoint on rank 1
+    with pytest.raises(ValueError, match="must load its own checkpoint"):
+        draw(elsewhere, randn(10), 1, rank=1, world=2)
