@@ -491,6 +491,41 @@ def test_qsgd_is_unbiased(x: Tensor, levels: int, seed: int) -> None:
     assert bool(((average - exact).abs() <= tolerance).all()), (average - exact).abs() / tolerance
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1.0, 1e20, 1e30])
+def test_norms_survive_tiny_and_huge_gradients(scale: float) -> None:
+    # The squares of these entries under- or overflow fp32; the norms must not.
+    x = randn(200, seed=4) * scale
+    exact = x.double()
+    levels = 7
+    qsgd = run_locally(QSGD(levels=levels).exchange(x, SLOT)).mean.double()
+    scaled, target = qsgd / exact.norm() * levels, exact / exact.norm() * levels
+    assert bool(((scaled - target).abs() < 1 + 1e-4).all())  # a neighbouring level
+    assert bool(qsgd.any())
+    ternary = run_locally(TernGrad().exchange(x, SLOT)).mean.double()
+    magnitudes = set(ternary.abs().tolist()) - {0.0}
+    assert len(magnitudes) == 1
+    assert magnitudes.pop() == pytest.approx(float(clipped(x).abs().max()), rel=1e-5)
+
+
+def test_scales_stay_accurate_for_long_tensors() -> None:
+    # fp32 reductions over millions of entries can drift by 1e-3; the scales must not.
+    x = randn(3_000_000, seed=5) + 0.5
+    exact = x.double()
+    (_, onebit_scales), _ = OneBit().compress(x, SLOT)
+    plus = exact >= 0
+    expected = torch.stack([exact[plus].mean(), -exact[~plus].mean()])
+    torch.testing.assert_close(onebit_scales.double(), expected, rtol=1e-6, atol=0)
+    (_, sign_scale), _ = SignSGD().compress(x, SLOT)
+    torch.testing.assert_close(
+        sign_scale.double(), exact.abs().mean().reshape(1), rtol=1e-6, atol=0
+    )
+    (_, norm), _ = QSGD().compress(x, SLOT)
+    torch.testing.assert_close(norm.double(), exact.norm().reshape(1), rtol=1e-6, atol=0)
+    ternary = run_locally(TernGrad().exchange(x, SLOT)).mean  # s is the clip bound here
+    bound = float(clipped(x).abs().max())
+    assert float(ternary.abs().max()) == pytest.approx(bound, rel=1e-6)
+
+
 # -- private random streams (TernGrad and QSGD) ---------------------------------------------
 
 

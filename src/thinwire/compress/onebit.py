@@ -57,7 +57,7 @@ class OneBit(Compressor):
         gathered = yield Request.gather(pack(plus, 1), scales)
         mean, decoded = torch.zeros_like(flat), torch.empty_like(flat)
         for packed, rank_scales in gathered:
-            mean.add_(decode(unpack(packed, 1, flat.numel()), rank_scales, out=decoded))
+            mean.add_(decode(unpack_signs(packed, flat.numel()), rank_scales, out=decoded))
         mean.div_(slot.world_size)
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
 
@@ -71,7 +71,7 @@ class OneBit(Compressor):
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Decode one ``[packed signs, scales]`` payload of ``ctx`` values."""
         packed, scales = payload
-        return decode(unpack(packed, 1, ctx), scales, out=scales.new_empty(ctx))
+        return decode(unpack_signs(packed, ctx), scales, out=scales.new_empty(ctx))
 
 
 def encode(flat: Tensor, work: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,7 +85,12 @@ def encode(flat: Tensor, work: Tensor) -> tuple[Tensor, Tensor]:
     return plus, torch.stack([plus_sum, minus_sum]).float() / counts
 
 
-def decode(signs: Tensor, scales: Tensor, out: Tensor) -> Tensor:
-    """``a`` where ``signs`` is set, ``-b`` elsewhere, written into ``out``."""
+def decode(plus: Tensor, scales: Tensor, out: Tensor) -> Tensor:
+    """``a`` where the bool mask ``plus`` is set, ``-b`` elsewhere, written into ``out``."""
     a, b = scales.to(out.dtype)
-    return torch.where(signs.bool(), a, -b, out=out)
+    return torch.where(plus, a, -b, out=out)
+
+
+def unpack_signs(packed: Tensor, count: int) -> Tensor:
+    """The bool mask of ``count`` packed sign bits (unpacked bytes are 0 or 1: a free view)."""
+    return unpack(packed, 1, count).view(torch.bool)

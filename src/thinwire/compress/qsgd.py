@@ -34,7 +34,7 @@ from thinwire.compress.base import (
 )
 from thinwire.compress.bits import SUPPORTED_BITS, pack, unpack
 from thinwire.compress.registry import register_compressor
-from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed
+from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed, l2_norm
 
 #: The most levels whose 2s + 1 codes fit in one byte.
 MAX_LEVELS = 127
@@ -86,8 +86,7 @@ class QSGD(StochasticCompressor):
     def encode(self, flat: Tensor, slot: Slot, local: Tensor) -> tuple[Tensor, Tensor]:
         """Packed codes and the fp32 norm of ``flat``; writes the decode into ``local``."""
         s = self.levels
-        # fp64 accumulation: the sum of squares of tiny (1e-20) entries underflows in fp32
-        norm = torch.linalg.vector_norm(flat, dtype=torch.float64).float().reshape(1)
+        norm = l2_norm(flat).reshape(1)
         levels = flat.abs().div_(torch.where(norm > 0, norm, 1.0).to(flat.dtype)).mul_(s)
         levels.add_(self.random.uniform_(local, slot)).floor_()
         levels.clamp_(max=s).copysign_(flat)  # |g| <= norm, unless rounding says otherwise

@@ -66,9 +66,10 @@ class SignSGD(Compressor):
         """Gather (signs, scale) from every rank; the mean is the vote times the mean scale."""
         check_floating(tensor)
         flat = tensor.reshape(-1)
-        (packed, scale), plus = encode(flat)
+        local = torch.empty_like(flat)
+        (packed, scale), plus = encode(flat, work=local)
         own = scale.to(flat.dtype)
-        local = torch.where(plus, own, -own, out=torch.empty_like(flat))
+        torch.where(plus, own, -own, out=local)
         gathered = yield Request.gather(packed, scale)
         ayes, scales = torch.zeros_like(flat), torch.zeros_like(scale)
         for rank_packed, rank_scale in gathered:
@@ -82,19 +83,22 @@ class SignSGD(Compressor):
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([packed signs, scale], numel)``."""
         check_floating(tensor)
-        payload, _ = encode(tensor.reshape(-1))
+        flat = tensor.reshape(-1)
+        payload, _ = encode(flat, work=torch.empty_like(flat))
         return payload, tensor.numel()
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """One rank's payload of ``ctx`` values as it would step alone: ``sign * scale``."""
         packed, scale = payload
-        plus = unpack(packed, 1, ctx).bool()
+        plus = unpack(packed, 1, ctx).view(torch.bool)  # bytes that are 0 or 1
         return torch.where(plus, scale, -scale, out=scale.new_empty(ctx))
 
 
-def encode(flat: Tensor) -> tuple[list[Tensor], Tensor]:
-    """``[packed signs, scale]`` of ``flat`` (zero counts as plus) and the sign mask."""
+def encode(flat: Tensor, work: Tensor) -> tuple[list[Tensor], Tensor]:
+    """``[packed signs, scale]`` of ``flat`` (zero counts as plus) and the sign mask;
+    ``work`` is scratch of ``flat``'s size."""
     plus = flat >= 0
-    l1 = torch.linalg.vector_norm(flat, ord=1)
+    # |g| summed by .sum(), not vector_norm(ord=1), whose fp32 sum drifts by 0.6 % at 10 M.
+    l1 = torch.abs(flat, out=work).sum()
     scale = (l1 / max(flat.numel(), 1)).float().reshape(1)
     return [pack(plus, 1), scale], plus

