@@ -1,0 +1,475 @@
+"""An emulated cheap cluster on one machine: N hosts in network namespaces, slow links.
+
+    with EmulatedCluster(hosts=4, bandwidth="100mbit", latency="1ms") as cluster:
+        cluster.run(["python", "train.py"])        # one process per host, torchrun-style env
+
+Each host is a network namespace ``thinwire-<tag>-h<i>`` whose only interface, ``tw0``, is
+a TUN device with address ``198.18.0.<i+1>/24`` (a benchmarking range; no other range is
+used). The forwarder process (:mod:`thinwire.cluster.forwarder`) holds the devices and is
+the switch between them: it delays every packet by the one-way ``latency`` and limits each
+host's downlink to ``bandwidth``; a ``tbf`` qdisc on each ``tw0`` limits its uplink. The
+MTU follows the rate (about 1 ms of serialisation per packet, 1500 to 65000 bytes), so the
+forwarder moves few packets per second at any speed.
+
+Everything the cluster creates is removed on exit, on error and on Ctrl-C: the forwarder
+deletes the namespaces when it stops, whoever stops it, and :meth:`EmulatedCluster.up`
+first removes what a killed run left behind (namespaces whose forwarder is gone). Needs
+root (namespaces, TUN devices, qdiscs); :func:`check_can_emulate` says why not, if not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from thinwire.cluster.forwarder import ForwarderConfig
+from thinwire.cluster.tun import NETNS_DIR
+
+PREFIX = "thinwire-"
+SUBNET = "198.18.0"
+INTERFACE = "tw0"
+STATE_DIR = Path("/run/thinwire")
+MAX_HOSTS = 250
+
+#: per-namespace TCP settings: buffers that cover a 1 Gbit/s x 100 ms path, no IPv6 chatter
+TCP_TUNING = (
+    ("net.ipv4.tcp_rmem", "4096 131072 33554432"),
+    ("net.ipv4.tcp_wmem", "4096 65536 33554432"),
+    ("net.ipv6.conf.all.disable_ipv6", "1"),
+)
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster could not be built, found or used; the message says why."""
+
+
+def parse_rate(text: str | float | None) -> float | None:
+    """Bits per second from ``"100mbit"``, ``"10Mbit"``, ``"1gbit"`` or a number;
+    ``None``, ``"unlimited"`` and ``0`` mean no limit."""
+    if text is None or text in ("unlimited", "none", 0, "0"):
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _RATE_UNITS:
+            raise ValueError(
+                f"bandwidth {text!r} is not understood; write a number and a unit, e.g. "
+                f"10mbit, 100mbit, 1gbit (units: {', '.join(_RATE_UNITS)}), or 'unlimited'"
+            )
+        value = float(match.group(1)) * _RATE_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"bandwidth must be > 0 bits per second, got {text!r}")
+    return value
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``"1ms"``, ``"50ms"``, ``"200us"``, ``"0"`` or a number of seconds."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    elif text.strip() == "0":
+        value = 0.0
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
+        if not match or match.group(2) not in _TIME_UNITS:
+            raise ValueError(
+                f"latency {text!r} is not understood; write a number and a unit, e.g. 1ms, "
+                f"50ms, 200us (units: {', '.join(_TIME_UNITS)})"
+            )
+        value = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    if not 0 <= value <= 10:
+        raise ValueError(f"latency must be between 0 and 10 s, got {text!r}")
+    return value
+
+
+def check_can_emulate() -> str | None:
+    """``None`` if this process can build an emulated cluster, else the reason it cannot."""
+    if sys.platform != "linux":
+        return "the emulated cluster needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return (
+            "the emulated cluster needs root (network namespaces, TUN devices, tc); run as "
+            "root, or use plain loopback: thinwire bench --network loopback"
+        )
+    if not os.path.exists("/dev/net/tun"):
+        return "/dev/net/tun is missing (modprobe tun)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") is None:
+            return f"the '{tool}' command is missing: apt-get install iproute2"
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host: its namespace, address and interface."""
+
+    rank: int
+    namespace: str
+    address: str
+    interface: str = INTERFACE
+
+
+class EmulatedCluster:
+    """N hosts joined by links of one bandwidth and one-way latency (see the module doc).
+
+    Args:
+        hosts: number of hosts (2 to 250).
+        bandwidth: each host's link rate in each direction, e.g. ``"100mbit"``, or
+            ``"unlimited"``.
+        latency: one-way delay between any two hosts, e.g. ``"1ms"``.
+        tag: a short name for this cluster (default: random); namespaces are
+            ``thinwire-<tag>-h<i>``.
+    """
+
+    def __init__(
+        self,
+        hosts: int,
+        bandwidth: str | float | None = "1gbit",
+        latency: str | float = "0ms",
+        tag: str | None = None,
+    ) -> None:
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be an integer from 1 to {MAX_HOSTS}, got {hosts!r}")
+        self.rate_bps = parse_rate(bandwidth)
+        self.latency_s = parse_duration(latency)
+        self.bandwidth = bandwidth
+        self.latency = latency
+        self.tag = tag or secrets.token_hex(2)
+        if not re.fullmatch(r"[a-z0-9]{1,6}", self.tag):
+            raise ValueError(f"tag must be 1-6 lowercase letters or digits, got {self.tag!r}")
+        self.hosts = [
+            Host(i, f"{PREFIX}{self.tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(hosts)
+        ]
+        self.forwarder: subprocess.Popen[bytes] | None = None
+        self.forwarder_pid: int | None = None
+
+    # -- building and tearing down --------------------------------------------------------
+
+    @property
+    def mtu(self) -> int:
+        """Packet size: about 1 ms of serialisation at the link rate, 1500 to 65000 bytes."""
+        if self.rate_bps is None:
+            return 65_000
+        return int(min(65_000, max(1500, self.rate_bps / 8 * 1e-3)))
+
+    @property
+    def master_address(self) -> str:
+        """The address of host 0, where the process group's rendezvous listens."""
+        return self.hosts[0].address
+
+    def up(self, daemon: bool = False) -> EmulatedCluster:
+        """Create the namespaces, start the forwarder, configure every host.
+
+        ``daemon``: the forwarder outlives this process (``thinwire cluster up``) and the
+        cluster stays until :meth:`down`; otherwise it goes when this process lets go.
+        """
+        reason = check_can_emulate()
+        if reason:
+            raise ClusterError(reason)
+        remove_leftovers()
+        created: list[str] = []
+        try:
+            for host in self.hosts:
+                _ip("netns", "add", host.namespace)
+                created.append(host.namespace)
+            self._start_forwarder(daemon)
+            for host in self.hosts:
+                self._configure(host)
+            self._write_state()
+        except BaseException:
+            self.down()
+            for namespace in created:
+                _ip("netns", "delete", namespace, check=False)
+            raise
+        return self
+
+    def _start_forwarder(self, daemon: bool) -> None:
+        config = ForwarderConfig(
+            devices=[self._device(h) for h in self.hosts],
+            addresses=[h.address for h in self.hosts],
+            latency_s=self.latency_s,
+            rate_bps=self.rate_bps,
+            namespaces=[h.namespace for h in self.hosts],
+            watch_stdin=not daemon,
+        )
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        log = open(STATE_DIR / f"{self.tag}.log", "ab")  # noqa: SIM115 - handed to the child
+        self.forwarder = subprocess.Popen(
+            [sys.executable, "-m", "thinwire.cluster.forwarder", config.to_json()],
+            stdin=subprocess.DEVNULL if daemon else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=daemon,
+        )
+        log.close()
+        self.forwarder_pid = self.forwarder.pid
+        assert self.forwarder.stdout is not None
+        line = self.forwarder.stdout.readline().decode().strip()
+        self.forwarder.stdout.close()
+        if line != "ready":
+            self.forwarder.wait(timeout=10)
+            errors = (STATE_DIR / f"{self.tag}.log").read_text(errors="replace")[-2000:]
+            raise ClusterError(f"the cluster's forwarder did not start:\n{errors}")
+
+    def _device(self, host: Host) -> str:
+        return f"tw{self.tag}h{host.rank}"
+
+    def _configure(self, host: Host) -> None:
+        ns, dev = host.namespace, self._device(host)
+        _ip("link", "set", dev, "netns", ns)
+        _ip("-n", ns, "link", "set", dev, "name", host.interface)
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "addr", "add", f"{host.address}/24", "dev", host.interface)
+        _ip("-n", ns, "link", "set", host.interface, "mtu", str(self.mtu), "up")
+        _run(["ip", "netns", "exec", ns, "sysctl", "-q", *(f"{k}={v}" for k, v in TCP_TUNING)])
+        if self.rate_bps is not None:
+            burst = max(128 * 1024, int(self.rate_bps / 8 * 4e-3), 2 * self.mtu)
+            _run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    host.interface,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{int(self.rate_bps)}bit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                ]
+            )
+
+    def down(self) -> None:
+        """Stop the forwarder (it deletes the namespaces) and make sure they are gone."""
+        pid = self.forwarder_pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            if self.forwarder is not None:
+                try:
+                    self.forwarder.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.forwarder.kill()
+                    self.forwarder.wait()
+            else:
+                _wait_gone(pid, 10)
+        for host in self.hosts:
+            if os.path.exists(os.path.join(NETNS_DIR, host.namespace)):
+                _ip("netns", "delete", host.namespace, check=False)
+        (STATE_DIR / f"{self.tag}.json").unlink(missing_ok=True)
+        (STATE_DIR / f"{self.tag}.log").unlink(missing_ok=True)
+        self.forwarder = None
+        self.forwarder_pid = None
+
+    def __enter__(self) -> EmulatedCluster:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- running commands on the hosts ----------------------------------------------------
+
+    def host_env(
+        self, host: Host, port: int, base: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        """The environment ``torchrun`` would give rank ``host.rank`` on this cluster."""
+        env = dict(os.environ if base is None else base)
+        env.update(
+            RANK=str(host.rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(len(self.hosts)),
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=self.master_address,
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=host.interface,
+            NCCL_SOCKET_IFNAME=host.interface,
+            THINWIRE_CLUSTER=self.tag,
+        )
+        return env
+
+    def run(
+        self,
+        command: Sequence[str],
+        port: int = 29500,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> list[int]:
+        """Run ``command`` once on every host (rank i on host i); return the exit codes.
+
+        If any process fails, the others are given a few seconds, then stopped.
+        """
+        procs = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", h.namespace, *command], env=self.host_env(h, port, env)
+            )
+            for h in self.hosts
+        ]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = any(p.returncode not in (None, 0) for p in procs)
+                late = deadline is not None and time.monotonic() > deadline
+                if failed or late:
+                    _stop_all(procs, grace=5.0 if failed else 0.0)
+                    break
+                time.sleep(0.1)
+        except BaseException:
+            _stop_all(procs, grace=0.0)
+            raise
+        return [p.wait() for p in procs]
+
+    # -- state for the command line -------------------------------------------------------
+
+    def _write_state(self) -> None:
+        state = {
+            "tag": self.tag,
+            "hosts": len(self.hosts),
+            "bandwidth": self.bandwidth,
+            "latency": self.latency,
+            "forwarder_pid": self.forwarder_pid,
+        }
+        (STATE_DIR / f"{self.tag}.json").write_text(json.dumps(state))
+
+    @classmethod
+    def attach(cls, tag: str | None = None) -> EmulatedCluster:
+        """The running cluster ``tag`` (or the only one) started by ``thinwire cluster up``."""
+        states = (
+            {p.stem: json.loads(p.read_text()) for p in STATE_DIR.glob("*.json")}
+            if STATE_DIR.exists()
+            else {}
+        )
+        alive = {t: s for t, s in states.items() if _alive(s["forwarder_pid"])}
+        if tag is None:
+            if len(alive) != 1:
+                raise ClusterError(
+                    "no emulated cluster is up (start one: thinwire cluster up --hosts 4)"
+                    if not alive
+                    else f"several clusters are up ({', '.join(sorted(alive))}); pick one: --tag"
+                )
+            tag = next(iter(alive))
+        if tag not in alive:
+            raise ClusterError(f"no emulated cluster {tag!r} is up; running: {sorted(alive)}")
+        state = alive[tag]
+        cluster = cls(state["hosts"], state["bandwidth"], state["latency"], tag=tag)
+        cluster.forwarder_pid = state["forwarder_pid"]
+        return cluster
+
+    def describe(self) -> dict[str, Any]:
+        """Hosts, addresses and link settings, for results files and ``status``."""
+        return {
+            "tag": self.tag,
+            "hosts": len(self.hosts),
+            "bandwidth_bps": self.rate_bps,
+            "latency_s": self.latency_s,
+            "mtu": self.mtu,
+            "addresses": [h.address for h in self.hosts],
+        }
+
+
+def list_namespaces() -> list[str]:
+    """Names of the network namespaces that thinwire clusters created."""
+    if not os.path.isdir(NETNS_DIR):
+        return []
+    return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(PREFIX))
+
+
+def remove_leftovers() -> list[str]:
+    """Delete namespaces of clusters whose forwarder is gone (a killed run); return them."""
+    live_tags = set()
+    if STATE_DIR.exists():
+        for path in STATE_DIR.glob("*.json"):
+            try:
+                pid = json.loads(path.read_text())["forwarder_pid"]
+            except (ValueError, KeyError):
+                pid = None
+            if pid is not None and _alive(pid):
+                live_tags.add(path.stem)
+            else:
+                path.unlink(missing_ok=True)
+    removed = []
+    for namespace in list_namespaces():
+        tag = namespace[len(PREFIX) :].split("-")[0]
+        if tag not in live_tags and not _forwarder_running(tag):
+            _ip("netns", "delete", namespace, check=False)
+            removed.append(namespace)
+    return removed
+
+
+def _forwarder_running(tag: str) -> bool:
+    """Whether a forwarder for ``tag`` runs (a cluster being built has no state file yet)."""
+    needle = f'"tw{tag}h0"'.encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True
+
+
+def _wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    while grace and time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    _run(["ip", *args], check=check)
+
+
+def _run(argv: list[str], check: bool = True) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if check and done.returncode != 0:
+        raise ClusterError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
