@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -48,6 +49,41 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> int:
+    from thinwire.cluster import ClusterError, EmulatedCluster, list_namespaces
+
+    console = Console()
+    try:
+        if args.action == "up":
+            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.latency, tag=args.tag)
+            cluster.up(daemon=True)
+            console.print(
+                f"cluster [bold]{cluster.tag}[/] is up: {args.hosts} hosts "
+                f"{', '.join(h.address for h in cluster.hosts)}, {args.bandwidth} links, "
+                f"{args.latency} one-way latency, MTU {cluster.mtu}.\n"
+                "Run one rank per host: thinwire cluster run -- python train.py; "
+                "stop it: thinwire cluster down"
+            )
+        elif args.action == "run":
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                raise ClusterError("nothing to run: thinwire cluster run -- CMD [ARGS...]")
+            codes = EmulatedCluster.attach(args.tag).run(command, port=args.port)
+            console.print(f"exit codes by rank: {codes}")
+            return max(codes, key=abs)
+        elif args.action == "down":
+            EmulatedCluster.attach(args.tag).down()
+            console.print("cluster removed")
+        else:
+            console.print(f"thinwire namespaces: {', '.join(list_namespaces()) or 'none'}")
+            with contextlib.suppress(ClusterError):
+                console.print(EmulatedCluster.attach(args.tag).describe())
+    except (ClusterError, ValueError) as error:
+        console.print(f"[red]error:[/] {error}")
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``thinwire`` command."""
     parser = argparse.ArgumentParser(
@@ -67,6 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="results", help="directory for demo.json")
     demo.set_defaults(run=_demo)
+    cluster = sub.add_parser(
+        "cluster", help="an emulated cluster: hosts in network namespaces, slow links (root)"
+    )
+    actions = cluster.add_subparsers(dest="action", required=True)
+    up = actions.add_parser("up", help="create the hosts and links; they stay until 'down'")
+    up.add_argument("--hosts", type=int, default=4, help="hosts (default 4)")
+    up.add_argument("--bandwidth", default="100mbit", help="per link, e.g. 10mbit, 1gbit")
+    up.add_argument("--latency", default="1ms", help="one-way delay between any two hosts")
+    run = actions.add_parser("run", help="run CMD once per host: thinwire cluster run -- CMD")
+    run.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    actions.add_parser("down", help="remove the cluster")
+    actions.add_parser("status", help="show the cluster and thinwire's namespaces")
+    for action in actions.choices.values():
+        action.add_argument("--tag", default=None, help="cluster name (default: the only one)")
+        action.set_defaults(run=_cluster)
     return parser
 
 

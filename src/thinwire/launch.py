@@ -18,15 +18,22 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import random
 import socket
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from thinwire.cluster.tun import enter_namespace
+
+if TYPE_CHECKING:
+    from thinwire.cluster.emulated import EmulatedCluster
 
 
 def free_port() -> int:
@@ -50,12 +57,42 @@ def init_local_group(
     )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each rank runs: rank i in network namespace ``namespaces[i]`` with interface
+    ``interface``; the rendezvous is at ``master_address`` (an emulated cluster's host 0)."""
+
+    namespaces: tuple[str, ...]
+    master_address: str
+    interface: str
+
+    @staticmethod
+    def on(cluster: EmulatedCluster) -> Placement:
+        """One rank per host of ``cluster``."""
+        return Placement(
+            tuple(h.namespace for h in cluster.hosts),
+            cluster.master_address,
+            cluster.hosts[0].interface,
+        )
+
+
 def _serve(
-    rank: int, world_size: int, port: int, timeout_s: float, jobs: Any, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    jobs: Any,
+    results: Any,
+    placement: Placement | None = None,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    host = "127.0.0.1"
     try:
-        init_local_group(rank, world_size, port, timeout_s)
+        if placement is not None:
+            enter_namespace(placement.namespaces[rank])
+            os.environ["GLOO_SOCKET_IFNAME"] = placement.interface
+            host = placement.master_address
+        init_local_group(rank, world_size, port, timeout_s, host=host)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -77,16 +114,28 @@ class LocalPool:
         world_size: number of processes (ranks).
         collective_timeout_s: the process group's timeout: a collective that waits longer
             (a peer died) raises on the ranks still alive.
+        placement: run rank i on host i of an emulated cluster (default: all on loopback).
     """
 
-    def __init__(self, world_size: int, collective_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        collective_timeout_s: float = 60.0,
+        placement: Placement | None = None,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if placement is not None and len(placement.namespaces) != world_size:
+            raise ValueError(
+                f"world_size {world_size} does not match the {len(placement.namespaces)} "
+                "hosts of the placement: run one rank per host"
+            )
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        # A fresh namespace has no listeners: any port is free there.
+        port = free_port() if placement is None else random.randint(20_000, 60_000)
         self._procs = [
             ctx.Process(
                 target=_serve,
@@ -97,6 +146,7 @@ class LocalPool:
                     collective_timeout_s,
                     self._jobs[rank],
                     self._results,
+                    placement,
                 ),
                 daemon=True,
                 name=f"thinwire-rank{rank}",
@@ -107,8 +157,17 @@ class LocalPool:
             proc.start()
         self.closed = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
-        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank."""
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 300.0,
+        while_waiting: Callable[[], None] | None = None,
+    ) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results by rank.
+
+        ``while_waiting`` is called about twice a second until the results are in (to
+        update a progress display)."""
         if self.closed:
             raise RuntimeError("this LocalPool was shut down (after a failure); make a new one")
         for jobs in self._jobs:
@@ -127,6 +186,8 @@ class LocalPool:
                     rank, ok, value = self._results.get(timeout=min(remaining, 0.5))
                 except queue.Empty:
                     self._check_alive(collected)
+                    if while_waiting is not None:
+                        while_waiting()
                     continue
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")

@@ -1,0 +1,201 @@
+"""The emulated cluster: it comes up, carries gloo traffic at its link limits, and leaves
+no namespace behind, also when its owner or its forwarder is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from thinwire.cluster import (
+    EmulatedCluster,
+    check_can_emulate,
+    list_namespaces,
+    parse_duration,
+    parse_rate,
+    remove_leftovers,
+)
+from thinwire.launch import LocalPool, Placement
+
+REASON = check_can_emulate()
+needs_root = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster: {REASON}")
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def _wait_for(condition, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_rates_and_durations_parse_or_say_what_is_wrong() -> None:
+    assert parse_rate("10mbit") == 10e6
+    assert parse_rate("1Gbit") == 1e9
+    assert parse_rate("unlimited") is None
+    assert parse_duration("50ms") == pytest.approx(0.05)
+    assert parse_duration("200us") == pytest.approx(200e-6)
+    with pytest.raises(ValueError, match="10mbit, 100mbit"):
+        parse_rate("fast")
+    with pytest.raises(ValueError, match="latency"):
+        parse_duration("1 fortnight")
+    with pytest.raises(ValueError, match="hosts must be"):
+        EmulatedCluster(0)
+
+
+@pytest.mark.skipif(REASON is None, reason="only meaningful without root")
+def test_without_root_up_says_why_and_offers_loopback() -> None:
+    with pytest.raises(RuntimeError, match="loopback"):
+        EmulatedCluster(2).up()
+
+
+@needs_root
+def test_up_creates_hosts_and_down_removes_every_namespace() -> None:
+    cluster = EmulatedCluster(3, "100mbit", "1ms")
+    with cluster:
+        names = list_namespaces()
+        assert {h.namespace for h in cluster.hosts} <= set(names)
+        assert [h.address for h in cluster.hosts] == ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
+        shown = subprocess.run(
+            ["ip", "-n", cluster.hosts[1].namespace, "-o", "addr", "show", "tw0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "198.18.0.2/24" in shown
+        qdisc = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                cluster.hosts[1].namespace,
+                "tc",
+                "qdisc",
+                "show",
+                "dev",
+                "tw0",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+    assert not any(h.namespace in list_namespaces() for h in cluster.hosts)
+
+
+@needs_root
+def test_a_killed_owner_takes_its_cluster_with_it() -> None:
+    script = (
+        "import os, signal\n"
+        "from thinwire.cluster import EmulatedCluster\n"
+        "c = EmulatedCluster(2, '10mbit', '1ms', tag='crash1').up()\n"
+        "print('up', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL and "up" in done.stdout
+    assert _wait_for(lambda: not any("crash1" in n for n in list_namespaces()))
+
+
+@needs_root
+def test_a_killed_forwarder_leaves_namespaces_that_the_next_up_removes() -> None:
+    cluster = EmulatedCluster(2, "10mbit", "1ms", tag="crash2").up(daemon=True)
+    assert cluster.forwarder_pid is not None
+    os.kill(cluster.forwarder_pid, signal.SIGKILL)
+    cluster.forwarder.wait()  # type: ignore[union-attr]
+    assert any("crash2" in n for n in list_namespaces())  # SIGKILL: no chance to clean up
+    removed = remove_leftovers()
+    assert {h.namespace for h in cluster.hosts} <= set(removed)
+    assert not any("crash2" in n for n in list_namespaces())
+
+
+@needs_root
+def test_command_line_up_run_down() -> None:
+    thinwire = [sys.executable, "-m", "thinwire.cli"]
+    up = subprocess.run(
+        [*thinwire, "cluster", "up", "--hosts", "2", "--bandwidth", "50mbit", "--tag", "clitst"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        run = subprocess.run(
+            [
+                *thinwire,
+                "cluster",
+                "run",
+                "--tag",
+                "clitst",
+                "--",
+                sys.executable,
+                "-c",
+                "import os; print('rank', os.environ['RANK'], os.environ['GLOO_SOCKET_IFNAME'])",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0
+        assert "rank 0 tw0" in run.stdout and "rank 1 tw0" in run.stdout
+    finally:
+        down = subprocess.run(
+            [*thinwire, "cluster", "down", "--tag", "clitst"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not any("clitst" in n for n in list_namespaces())
+
+
+def _allreduce_timings(rank: int, world_size: int, numel: int) -> dict[str, float]:
+    """All-reduce a tensor of ones (checks the sum), then time tiny and large all-reduces."""
+    x = torch.ones(numel)
+    dist.all_reduce(x)
+    tiny = torch.ones(1)
+    times = []
+    for _ in range(5):
+        began = time.perf_counter()
+        dist.all_reduce(tiny)
+        times.append(time.perf_counter() - began)
+    dist.barrier()
+    began = time.perf_counter()
+    dist.all_reduce(x)
+    large = time.perf_counter() - began
+    return {
+        "sum": float(x[0]),
+        "tiny_s": statistics.median(times),
+        "large_s": large,
+        "ok": bool((x == world_size**2).all()),
+    }
+
+
+@pytest.fixture(scope="module")
+def slow_cluster() -> Iterator[EmulatedCluster]:
+    if REASON is not None:
+        pytest.skip(f"emulated cluster: {REASON}")
+    with EmulatedCluster(2, "20mbit", "20ms") as cluster:
+        yield cluster
+
+
+@needs_root
+def test_gloo_all_reduce_across_the_cluster_is_correct_and_limited(slow_cluster) -> None:
+    numel = 250_000  # 1 MB of fp32: each of 2 ranks sends 1 MB in a ring all-reduce
+    with LocalPool(2, placement=Placement.on(slow_cluster)) as pool:
+        results = pool.run(_allreduce_timings, numel, timeout=90)
+    assert all(r["ok"] for r in results)
+    wire_s = 2 * (2 - 1) / 2 * numel * 4 * 8 / 20e6  # bytes each rank sends / link rate
+    # the link rate and the delay are enforced: nothing arrives sooner than they allow
+    assert min(r["large_s"] for r in results) > 0.8 * wire_s
+    assert min(r["tiny_s"] for r in results) > 0.020
