@@ -84,6 +84,12 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from thinwire.bench.command import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``thinwire`` command."""
     parser = argparse.ArgumentParser(
@@ -103,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="results", help="directory for demo.json")
     demo.set_defaults(run=_demo)
+    from thinwire.bench.command import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="one task under several methods on an emulated cluster")
+    add_bench_arguments(bench)
+    bench.set_defaults(run=_bench)
     cluster = sub.add_parser(
         "cluster", help="an emulated cluster: hosts in network namespaces, slow links (root)"
     )

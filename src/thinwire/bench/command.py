@@ -1,0 +1,81 @@
+"""The ``thinwire bench`` command: arguments, the run, the table, the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+#: learning rates that train each task well with SGD (momentum 0.9) at its default batch
+DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``thinwire bench``."""
+    parser.add_argument("--task", default="fashion", help="digits, fashion or text")
+    parser.add_argument("--workers", type=int, default=4, help="ranks = emulated hosts")
+    parser.add_argument("--bandwidth", default="100mbit", help="per link, e.g. 10mbit, 1gbit")
+    parser.add_argument("--latency", default="1ms", help="one-way delay between two hosts")
+    parser.add_argument(
+        "--methods",
+        default="local,dense,ddp-fp16,ddp-powersgd,fp16,dgc,powersgd,onebit,terngrad",
+        help="comma-separated: local, dense, ddp-fp16, ddp-powersgd, or thinwire compressors",
+    )
+    parser.add_argument("--options", default="", help='JSON per method: \'{"dgc": {...}}\'')
+    parser.add_argument("--task-options", default="", help='JSON, e.g. \'{"batch_size": 64}\'')
+    parser.add_argument("--steps", type=int, default=20, help="training steps per method")
+    parser.add_argument("--measure-from", type=int, default=None,
+                        help="first step in the timings (default: after warm-up)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (per-task default)")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--network", choices=["emulated", "loopback"], default="emulated",
+                        help="emulated cluster (root) or plain loopback (no limits)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
+    parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark the arguments describe; print the table, write JSON and plots."""
+    from thinwire.bench.methods import parse_methods
+    from thinwire.bench.report import plot, results_table
+    from thinwire.bench.runner import BenchConfig, run_bench
+    from thinwire.tasks import task_class
+
+    console = Console()
+    try:
+        task_class(args.task)
+        options = json.loads(args.options) if args.options else {}
+        task_options = json.loads(args.task_options) if args.task_options else {}
+        config = BenchConfig(
+            task=args.task,
+            methods=parse_methods(args.methods, options, args.steps),
+            workers=args.workers,
+            bandwidth=args.bandwidth,
+            latency=args.latency,
+            steps=args.steps,
+            lr=args.lr if args.lr is not None else DEFAULT_LR.get(args.task, 0.05),
+            momentum=args.momentum,
+            weight_decay=args.weight_decay,
+            seed=args.seed,
+            task_options=task_options,
+            network=args.network,
+            measure_from=args.measure_from,
+            evaluate=not args.no_eval,
+        )
+    except (ValueError, json.JSONDecodeError) as error:
+        console.print(f"[red]error:[/] {error}")
+        return 2
+    out = Path(args.out)
+    try:
+        records = run_bench(config, out, console)
+    except RuntimeError as error:
+        console.print(f"[red]error:[/] {error}")
+        return 1
+    console.print(results_table(records))
+    picture = plot(records, out / "bench.png")
+    console.print(f"results: {out / 'results.json'}   plots: {picture}")
+    return 0

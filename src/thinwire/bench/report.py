@@ -1,0 +1,77 @@
+"""What a person reads after ``thinwire bench``: a table in the terminal and three plots.
+
+``bench.png``: training loss against wall-clock time (what a user waits for), loss against
+step (whether compression costs quality per step) and step throughput per method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
+    """One row per method: step time, efficiency, bytes, ratio, loss, metric."""
+    table = Table(title=title or _title(records))
+    metric = next((r["eval_metric"] for r in records if r.get("eval_metric")), "eval")
+    for column in ("method", "step s", "x dense", "scaling", "MB sent", "ratio", "loss",
+                   metric, "predicted s"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for r in records:
+        table.add_row(
+            r["method"],
+            f"{r['step_s_median']:.3f}",
+            _fmt(r.get("throughput_vs_dense"), ".2f") + ("x" if r.get("throughput_vs_dense")
+                                                         else ""),
+            _fmt(r.get("scaling_efficiency"), ".2f"),
+            f"{r['bytes_sent_per_step'] / 1e6:.3f}",
+            _fmt(r.get("compression_ratio"), ".1f"),
+            f"{r['final_train_loss']:.4f}",
+            _fmt(r.get("eval_value"), ".4g"),
+            _fmt((r.get("predicted") or {}).get("step_s"), ".3f"),
+        )
+    return table
+
+
+def _title(records: list[dict[str, Any]]) -> str:
+    if not records:
+        return "thinwire bench"
+    r = records[0]
+    where = (f"{r['bandwidth']}, {r['latency']} latency" if r.get("network") == "emulated"
+             else "loopback")
+    return (f"thinwire bench: {r['task']}, {r['workers']} workers, {where}, {r['steps']} steps "
+            f"(timings from step {r['measured_from_step']})")
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> Path:
+    """Write loss-versus-time, loss-versus-step and throughput plots to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_step, bars) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for r in records:
+        by_time.plot(r["time_history_s"], r["loss_history"], label=r["method"])
+        by_step.plot(range(1, len(r["loss_history"]) + 1), r["loss_history"], label=r["method"])
+    by_time.set(xlabel="wall-clock time (s)", ylabel="training loss", title="loss vs time")
+    by_step.set(xlabel="step", ylabel="training loss", title="loss vs step")
+    names = [r["method"] for r in records]
+    bars.bar(names, [r["steps_per_s"] for r in records], color="tab:blue")
+    bars.set(ylabel="steps per second", title="throughput")
+    bars.tick_params(axis="x", rotation=45)
+    for axis in (by_time, by_step):
+        axis.legend(fontsize=8)
+        axis.grid(alpha=0.3)
+    fig.suptitle(_title(records))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

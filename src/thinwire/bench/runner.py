@@ -1,0 +1,186 @@
+"""``thinwire bench``: one task, several methods, side by side on an emulated cluster.
+
+    thinwire bench --task fashion --workers 4 --bandwidth 10mbit --latency 1ms \\
+                   --methods local,dense,ddp-powersgd,dgc,powersgd --steps 20 --out runs/b1
+
+The same worker processes (one per emulated host) train the task once per method, from the
+same initial weights on the same batches. Each record in ``DIR/results.json`` holds the
+method, its options, the network, the step-time medians over the measured steps (after
+DGC's warm-up), the bytes each rank sent per step as counted by the kernel, the final
+training loss and the held-out metric. ``local`` (no exchange) gives the compute-only step
+time, so ``scaling_efficiency = local step time / method step time``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from thinwire.bench.methods import Method
+from thinwire.bench.worker import BenchJob, read_progress, train_method
+from thinwire.cluster import EmulatedCluster, check_can_emulate
+from thinwire.launch import LocalPool, Placement
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """A benchmark run. ``network``: ``"emulated"`` (needs root) or ``"loopback"``."""
+
+    task: str
+    methods: list[Method]
+    workers: int = 4
+    bandwidth: str = "100mbit"
+    latency: str = "1ms"
+    steps: int = 20
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    task_options: dict[str, Any] = field(default_factory=dict)
+    network: str = "emulated"
+    measure_from: int | None = None
+    evaluate: bool = True
+    timeout_s: float = 3600.0
+
+    def first_measured_step(self) -> int:
+        """Steps before this one are left out of the timings (warm-up, DGC's dense start)."""
+        if self.measure_from is not None:
+            return min(self.measure_from, self.steps - 1)
+        warmups = [m.options.get("warmup_steps", 0) for m in self.methods]
+        return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
+
+
+def run_bench(config: BenchConfig, out: Path, console: Console | None = None) -> list[dict]:
+    """Run every method of ``config``, write ``out/results.json`` and return the records."""
+    console = console or Console()
+    if config.steps < 2:
+        raise ValueError(f"--steps must be >= 2 (one to warm up, one to measure), got "
+                         f"{config.steps}")
+    if config.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {config.workers}")
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    with _network(config, console) as (placement, interface, describe), \
+            tempfile.TemporaryDirectory() as scratch:
+        progress_file = str(Path(scratch) / "progress")
+        with LocalPool(config.workers, collective_timeout_s=600, placement=placement) as pool:
+            pool.run(_ready, timeout=300)
+            with Progress(TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total} steps {task.fields[loss]}"),
+                          TimeElapsedColumn(), console=console) as bar:
+                for method in config.methods:
+                    shown = bar.add_task(f"{method.name:>13}", total=config.steps, loss="")
+                    job = BenchJob(
+                        task=config.task, method=method, steps=config.steps, lr=config.lr,
+                        task_options=config.task_options, momentum=config.momentum,
+                        weight_decay=config.weight_decay, seed=config.seed,
+                        measure_from=config.first_measured_step(), interface=interface,
+                        progress=progress_file, evaluate=config.evaluate,
+                    )
+                    Path(progress_file).unlink(missing_ok=True)
+
+                    def update(shown: Any = shown) -> None:
+                        seen = read_progress(progress_file)
+                        if seen:
+                            bar.update(shown, completed=seen[0], loss=f"loss {seen[1]:.3f}")
+
+                    began = time.perf_counter()
+                    ranks = pool.run(train_method, job, timeout=config.timeout_s,
+                                     while_waiting=update)
+                    wall = time.perf_counter() - began
+                    bar.update(shown, completed=config.steps,
+                               loss=f"loss {ranks[0]['losses'][-1]:.3f}")
+                    records.append(_record(config, method, ranks, wall, describe))
+    _add_ratios(records)
+    (out / "results.json").write_text(json.dumps(records, indent=2))
+    return records
+
+
+def _ready(rank: int, world_size: int) -> int:
+    return rank
+
+
+@contextlib.contextmanager
+def _network(config: BenchConfig, console: Console
+             ) -> Iterator[tuple[Placement | None, str, dict[str, Any]]]:
+    if config.network == "loopback":
+        yield None, "lo", {"network": "loopback", "bandwidth": None, "latency": None}
+        return
+    if config.network != "emulated":
+        raise ValueError(f"--network must be 'emulated' or 'loopback', got {config.network!r}")
+    reason = check_can_emulate()
+    if reason:
+        raise RuntimeError(f"{reason}")
+    with EmulatedCluster(config.workers, config.bandwidth, config.latency) as cluster:
+        console.print(f"emulated cluster: {config.workers} hosts, {config.bandwidth} links, "
+                      f"{config.latency} one-way latency (MTU {cluster.mtu})")
+        yield Placement.on(cluster), cluster.hosts[0].interface, {
+            "network": "emulated", "bandwidth": config.bandwidth, "latency": config.latency,
+            "bandwidth_bps": cluster.rate_bps, "latency_s": cluster.latency_s,
+        }
+
+
+def _record(config: BenchConfig, method: Method, ranks: list[dict], wall: float,
+            network: dict[str, Any]) -> dict[str, Any]:
+    first = config.first_measured_step()
+    lead = ranks[0]
+    # a synchronous step ends on every rank together; the slowest rank's clock is the truth
+    step_s = [max(r["step_s"][i] for r in ranks) for i in range(config.steps)]
+    losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(config.steps)]
+    tail = max(1, config.steps // 10)
+    return {
+        "task": config.task,
+        "method": method.name,
+        "options": method.options,
+        "workers": config.workers,
+        **network,
+        "steps": config.steps,
+        "measured_from_step": first,
+        "wall_s": wall,
+        "step_s_median": statistics.median(step_s[first:]),
+        "forward_s_median": statistics.median(r["forward_s_median"] for r in ranks),
+        "backward_s_median": statistics.median(r["backward_s_median"] for r in ranks),
+        "optimizer_s_median": statistics.median(r["optimizer_s_median"] for r in ranks),
+        "bytes_sent_per_step": statistics.fmean(r["sent_bytes_per_step"] for r in ranks),
+        "bytes_received_per_step": statistics.fmean(r["received_bytes_per_step"] for r in ranks),
+        "thinwire": lead["thinwire"],
+        "final_train_loss": statistics.fmean(losses[-tail:]),
+        "eval_metric": lead.get("eval_metric"),
+        "eval_value": lead.get("eval_value"),
+        "loss_history": losses,
+        "time_history_s": [max(r["ends_s"][i] for r in ranks) for i in range(config.steps)],
+        "config": {k: v for k, v in asdict(config).items() if k != "methods"},
+    }
+
+
+def _add_ratios(records: list[dict[str, Any]]) -> None:
+    """Fill in what needs several methods: compute-only time, communication not hidden,
+    scaling efficiency, compression ratio against dense and throughput against dense."""
+    by_name = {r["method"]: r for r in records}
+    local, dense = by_name.get("local"), by_name.get("dense")
+    for record in records:
+        compute = local["step_s_median"] if local else None
+        record["compute_s_median"] = compute
+        record["comm_s_median"] = (
+            max(0.0, record["step_s_median"] - compute) if compute is not None else None
+        )
+        record["scaling_efficiency"] = compute / record["step_s_median"] if compute else None
+        record["compression_ratio"] = (
+            dense["bytes_sent_per_step"] / record["bytes_sent_per_step"]
+            if dense and record["bytes_sent_per_step"] > 0 and record["method"] != "local"
+            else (record["thinwire"] or {}).get("compression_ratio_median")
+        )
+        record["throughput_vs_dense"] = (
+            dense["step_s_median"] / record["step_s_median"] if dense else None
+        )
+        record["steps_per_s"] = 1.0 / record["step_s_median"]

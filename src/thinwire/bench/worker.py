@@ -1,0 +1,149 @@
+"""One rank's side of a benchmark run: train a task under one method, time every step.
+
+Each step is timed on the rank's own clock in three parts: ``forward`` (batch, forward,
+loss), ``backward`` (``loss.backward()``, which under DDP includes waiting for the last
+buckets' exchange) and ``optimizer``. Bytes on the wire are read from the kernel's counters
+of the host's interface (``/proc/net/dev`` is per network namespace), so every method is
+measured the same way, headers and acknowledgements included; on loopback, where all ranks
+share one interface, the total is divided by the number of ranks. Rank 0 writes its
+progress to a small file that the parent shows.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thinwire.bench.methods import Method, wrap
+from thinwire.tasks import task as build_task
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """What every rank trains: a task, a method, the optimizer settings, the step range
+    that counts for the timings (``measure_from`` onwards) and where to report progress."""
+
+    task: str
+    method: Method
+    steps: int
+    lr: float
+    task_options: dict[str, Any] = field(default_factory=dict)
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    measure_from: int = 0
+    interface: str = "lo"
+    progress: str | None = None
+    evaluate: bool = True
+
+
+def interface_bytes(interface: str) -> tuple[int, int]:
+    """(received, sent) bytes of ``interface`` in this process's network namespace."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            fields = counters.split()
+            return int(fields[0]), int(fields[8])
+    raise RuntimeError(f"no interface {interface!r} in /proc/net/dev of this namespace")
+
+
+def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
+    """Train ``job.task`` under ``job.method`` on this rank; return timings, losses and
+    (on rank 0) the held-out metric."""
+    torch.manual_seed(job.seed)
+    task = build_task(job.task, seed=job.seed, **job.task_options)
+    model = task.build_model()
+    own_momentum = job.method.applies_momentum
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=job.lr,
+        momentum=0.0 if own_momentum else job.momentum,
+        weight_decay=0.0 if own_momentum else job.weight_decay,
+    )
+    method = job.method
+    if own_momentum and job.weight_decay and "weight_decay" not in method.options:
+        method = Method(method.name, {**method.options, "weight_decay": job.weight_decay})
+    wrapped, engine = wrap(method, model, optimizer)
+    wrapped.train()
+    if dist.is_initialized():
+        dist.barrier()
+    forward, backward, stepping, losses, ends = [], [], [], [], []
+    began = time.perf_counter()
+    wire_before = interface_bytes(job.interface)
+    for step in range(job.steps):
+        if step == job.measure_from:
+            wire_before = interface_bytes(job.interface)
+        t0 = time.perf_counter()
+        x, y = task.batch(rank, world_size, step)
+        loss = task.loss(wrapped(x), y)
+        t1 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        forward.append(t1 - t0)
+        backward.append(t2 - t1)
+        stepping.append(t3 - t2)
+        losses.append(float(loss.detach()))
+        ends.append(t3 - began)
+        if rank == 0 and job.progress:
+            _report(job.progress, step + 1, losses[-1])
+    wire_after = interface_bytes(job.interface)
+    measured = slice(job.measure_from, job.steps)
+    counted_steps = max(1, job.steps - job.measure_from)
+    shared = 1 if job.interface != "lo" else world_size
+    history = list(engine.history)[measured] if engine is not None else []
+    result: dict[str, Any] = {
+        "losses": losses,
+        "ends_s": ends,
+        "step_s": [f + b + s for f, b, s in zip(forward, backward, stepping, strict=True)],
+        "forward_s_median": statistics.median(forward[measured]),
+        "backward_s_median": statistics.median(backward[measured]),
+        "optimizer_s_median": statistics.median(stepping[measured]),
+        "sent_bytes_per_step": (wire_after[1] - wire_before[1]) / counted_steps / shared,
+        "received_bytes_per_step": (wire_after[0] - wire_before[0]) / counted_steps / shared,
+        "thinwire": _engine_summary(history),
+    }
+    if engine is not None:
+        engine.close()
+    plain = getattr(wrapped, "module", wrapped)
+    if job.evaluate and rank == 0:
+        result["eval_metric"] = task.metric
+        result["eval_value"] = task.evaluate(plain)
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def _engine_summary(history: list[Any]) -> dict[str, float] | None:
+    if not history:
+        return None
+    return {
+        "payload_bytes_median": statistics.median(s.payload_bytes for s in history),
+        "compression_ratio_median": statistics.median(s.compression_ratio for s in history),
+        "compress_s_median": statistics.median(s.compress_s for s in history),
+        "collective_s_median": statistics.median(s.communicate_s for s in history),
+    }
+
+
+def _report(path: str, step: int, loss: float) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(f"{step} {loss:.6g}")
+    os.replace(tmp, path)
+
+
+def read_progress(path: str) -> tuple[int, float] | None:
+    """The (step, loss) rank 0 last reported, or ``None`` before its first step."""
+    try:
+        step, loss = Path(path).read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(step), float(loss)
