@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -35,18 +33,9 @@ def _compressors(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from thinwire.demo import DEFAULT_METHODS, run_demo
+    from thinwire.demo import run_demo
 
-    methods = DEFAULT_METHODS
-    if args.methods:
-        methods = {}
-        for name in args.methods.split(","):
-            methods[name] = DEFAULT_METHODS.get(name, {})
-    if args.options:
-        for name, options in json.loads(args.options).items():
-            methods[name] = options
-    run_demo(workers=args.workers, steps=args.steps, methods=methods, out=Path(args.out))
-    return 0
+    return run_demo(args)
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -90,6 +79,26 @@ def _bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import sys
+
+    from thinwire.plan import report
+
+    try:
+        request = report.parse_request(
+            args.task, args.workers, args.bandwidth, args.latency, args.methods, args.options
+        )
+    except ValueError as error:
+        print(f"thinwire plan: error: {error}", file=sys.stderr)
+        return 2
+    profile, rows = report.run_plan(request)
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # full table in logs
+    console.print(report.plan_table(rows, report.plan_title(request)))
+    if args.json:
+        report.write_json(report.plan_json(request, profile, rows), args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``thinwire`` command."""
     parser = argparse.ArgumentParser(
@@ -98,17 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("compressors", help="list the compressors and their options")
     listing.set_defaults(run=_compressors)
-    demo = sub.add_parser("demo", help="train a real model on local processes, several methods")
-    demo.add_argument("--workers", type=int, default=4, help="local processes (default 4)")
-    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    demo.add_argument("--methods", default="", help="comma-separated methods (default: a mix)")
-    demo.add_argument(
-        "--options",
-        default="",
-        help='JSON of options per method, e.g. \'{"dgc": {"density": 0.01}}\'',
-    )
-    demo.add_argument("--out", default="results", help="directory for demo.json")
+    from thinwire.demo import add_demo_arguments
+
+    demo = sub.add_parser("demo", help="a quick bench on an emulated cluster (make demo)")
+    add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
+    plan = sub.add_parser("plan", help="predict step time per method on a given network")
+    plan.add_argument("--task", required=True, help="task name, e.g. digits, fashion, text")
+    plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
+    plan.add_argument("--bandwidth", required=True, help="per-worker link, e.g. 100mbit")
+    plan.add_argument("--latency", default="0", help="one-way latency, e.g. 1ms (default 0)")
+    plan.add_argument("--methods", default="", help="comma-separated methods (default: a mix)")
+    plan.add_argument("--options", default="", help='JSON, e.g. \'{"dgc": {"density": 0.01}}\'')
+    plan.add_argument("--json", default="", help="also write the plan to this JSON file")
+    plan.set_defaults(run=_plan)
     from thinwire.bench.command import add_arguments as add_bench_arguments
 
     bench = sub.add_parser("bench", help="one task under several methods on an emulated cluster")

@@ -131,6 +131,10 @@ class LocalPool:
                 "hosts of the placement: run one rank per host"
             )
         self.world_size = world_size
+        if placement is not None:
+            # c10d warns on every connection that 198.18.0.x has no host name; the
+            # children inherit this setting (errors still raise)
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]

@@ -57,6 +57,8 @@ class BenchConfig:
         if self.measure_from is not None:
             return min(self.measure_from, self.steps - 1)
         warmups = [m.options.get("warmup_steps", 0) for m in self.methods]
+        # PyTorch's powerSGD_hook all-reduces densely for its first 2 steps
+        warmups += [2 for m in self.methods if m.name == "ddp-powersgd"]
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
 
