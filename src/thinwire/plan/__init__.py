@@ -1,0 +1,78 @@
+"""Network analysis: what a data-parallel step costs on a given network, per method.
+
+    from thinwire.plan import Link, predict_step, profile_task
+    profile = profile_task(task, {"dense": {}, "dgc": {"density": 0.001}}, world_size=4)
+    link = Link(bandwidth_bps=100e6, latency_s=1e-3)
+    predict_step(profile.compute.time, profile.costs["dgc"], link, 4).step_s
+
+:mod:`thinwire.plan.cost` is the pure alpha-beta model (numbers in, numbers out);
+:mod:`thinwire.plan.profile` measures compute, traffic and compression time in this
+process; :mod:`thinwire.plan.methods` names the methods; :mod:`thinwire.plan.report`
+renders a plan as a table or JSON.
+"""
+
+from thinwire.plan.cost import (
+    ALLGATHER,
+    ALLREDUCE,
+    BreakEven,
+    BucketCost,
+    Collective,
+    ComputeTime,
+    Link,
+    MethodCost,
+    StepPrediction,
+    break_even_bandwidth,
+    collective_time,
+    plan,
+    predict_step,
+    step_time,
+    wire_bytes,
+)
+from thinwire.plan.methods import (
+    BUILTIN_METHODS,
+    DEFAULT_PLAN_METHODS,
+    Kind,
+    method_kind,
+    method_names,
+    method_options,
+)
+from thinwire.plan.profile import (
+    ComputeProfile,
+    Profile,
+    ddp_buckets,
+    measure_compute,
+    measure_method,
+    profile_model,
+    profile_task,
+)
+
+__all__ = [
+    "ALLGATHER",
+    "ALLREDUCE",
+    "BUILTIN_METHODS",
+    "DEFAULT_PLAN_METHODS",
+    "BreakEven",
+    "BucketCost",
+    "Collective",
+    "ComputeProfile",
+    "ComputeTime",
+    "Kind",
+    "Link",
+    "MethodCost",
+    "Profile",
+    "StepPrediction",
+    "break_even_bandwidth",
+    "collective_time",
+    "ddp_buckets",
+    "measure_compute",
+    "measure_method",
+    "method_kind",
+    "method_names",
+    "method_options",
+    "plan",
+    "predict_step",
+    "profile_model",
+    "profile_task",
+    "step_time",
+    "wire_bytes",
+]

@@ -1,0 +1,484 @@
+"""The cost model of one data-parallel step: alpha-beta collectives and a bucket timeline.
+
+Pure functions over numbers (no torch, no ``torch.distributed``): what a step sends is
+described by :class:`MethodCost` (per gradient bucket: when it is ready, how long its
+compression takes, which collectives it issues and how many bytes each carries), what it
+computes by :class:`ComputeTime`, the network by :class:`Link`.
+
+**Collectives (alpha-beta, ring algorithms as gloo and NCCL run them).** With N ranks,
+one-way latency ``L``, bandwidth ``B`` and a message of ``S`` bytes per rank::
+
+    all-reduce  (reduce-scatter + all-gather):  2 (N-1) L  +  2 (N-1)/N * S * o / B
+    all-gather:                                   (N-1) L  +    (N-1)   * S * o / B
+
+``o`` is the TCP/IPv4 header overhead: every ``mtu``-byte packet carries ``mtu - 52``
+payload bytes (20 IP + 20 TCP + 12 timestamp option), as ``tc`` and the emulated cluster
+count bytes. The all-reduce's bandwidth term is nearly independent of N; the all-gather's
+grows linearly with N (every rank receives every other rank's payload).
+
+**Step timeline (overlap assumption).** One CPU core per worker; the network is a second,
+independent resource::
+
+    forward | backward ............................ | optimizer
+              bucket b ready at  r_b of the backward pass (measured per parameter)
+              exchange job b  =  compress_b (CPU)  then  its collectives (network)
+
+Exchange jobs run one after another in bucket order (DDP's reducer and thinwire's exchange
+thread both keep that order); job b starts once bucket b is ready and job b-1 is done.
+Compression is CPU work on the core that runs the backward pass, so it delays the backward
+pass by its own duration: *compression never hides behind compute, network time does*.
+The optimizer step starts when both the (delayed) backward pass and the last collective
+have finished::
+
+    step = max(forward + backward + compress_total,  end of the last collective) + optimizer
+
+With ``overlap=False`` (an optimizer wrapper that exchanges after ``backward()``) every
+bucket is ready at the end of the backward pass. Scaling efficiency is
+``compute / step``: 1.0 when all communication hides behind the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+#: bytes of headers in every TCP/IPv4 packet: 20 IP + 20 TCP + 12 (timestamp option)
+TCP_IP_HEADER_BYTES = 52
+#: a standard Ethernet MTU; the emulated cluster raises it with the rate (see Link.mtu)
+ETHERNET_MTU = 1500
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+KINDS = (ALLREDUCE, ALLGATHER)
+
+#: the bandwidth range (bits/s) that :func:`break_even_bandwidth` searches
+BREAK_EVEN_RANGE = (1e3, 1e12)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A worker's network link: ``bandwidth_bps`` bits per second each way (full duplex),
+    ``latency_s`` one-way latency, IP packets of ``mtu`` bytes carrying
+    ``header_bytes`` of TCP/IP headers each (``header_bytes=0``: count payload only)."""
+
+    bandwidth_bps: float
+    latency_s: float = 0.0
+    mtu: int = ETHERNET_MTU
+    header_bytes: int = TCP_IP_HEADER_BYTES
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth_bps, (int, float)) and self.bandwidth_bps > 0):
+            raise ValueError(f"bandwidth must be > 0 bits/s, got {self.bandwidth_bps!r}")
+        if not math.isfinite(self.bandwidth_bps):
+            raise ValueError(f"bandwidth must be finite, got {self.bandwidth_bps!r}")
+        if not (isinstance(self.latency_s, (int, float)) and 0 <= self.latency_s < math.inf):
+            raise ValueError(f"latency must be >= 0 s and finite, got {self.latency_s!r}")
+        if self.header_bytes < 0 or self.mtu <= self.header_bytes:
+            raise ValueError(
+                f"mtu must exceed header_bytes >= 0, got mtu={self.mtu}, "
+                f"header_bytes={self.header_bytes}"
+            )
+
+    @property
+    def overhead(self) -> float:
+        """Bytes on the wire per payload byte: ``mtu / (mtu - header_bytes)``."""
+        return self.mtu / (self.mtu - self.header_bytes)
+
+    def seconds_per_byte(self) -> float:
+        """Time to push one payload byte through the link (beta)."""
+        return 8.0 * self.overhead / self.bandwidth_bps
+
+    def with_bandwidth(self, bandwidth_bps: float) -> Link:
+        """The same link at another bandwidth."""
+        return replace(self, bandwidth_bps=bandwidth_bps)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues: ``kind`` (``"allreduce"`` or ``"allgather"``) over
+    ``nbytes`` bytes of its own payload."""
+
+    kind: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _check_kind(self.kind)
+        if self.nbytes < 0:
+            raise ValueError(f"a collective cannot carry {self.nbytes} bytes")
+
+
+def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> float:
+    """Seconds one ring collective of ``nbytes`` per rank takes over ``world_size`` ranks.
+
+    All-reduce: ``2(N-1)`` latency steps and ``2(N-1)/N * nbytes`` per rank on the wire;
+    all-gather: ``N-1`` latency steps and ``(N-1) * nbytes``. One rank (or nothing to send)
+    costs nothing.
+    """
+    _check_kind(kind)
+    _check_world(world_size)
+    if nbytes < 0:
+        raise ValueError(f"a collective cannot carry {nbytes} bytes")
+    if world_size == 1 or nbytes == 0:
+        return 0.0
+    steps = world_size - 1
+    if kind == ALLREDUCE:
+        return 2 * steps * link.latency_s + wire_bytes(kind, nbytes, world_size) * (
+            link.seconds_per_byte()
+        )
+    return steps * link.latency_s + wire_bytes(kind, nbytes, world_size) * link.seconds_per_byte()
+
+
+def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
+    """Payload bytes one rank sends (and receives) in a ring collective of ``nbytes``."""
+    _check_kind(kind)
+    _check_world(world_size)
+    if kind == ALLREDUCE:
+        return 2 * (world_size - 1) * nbytes / world_size
+    return (world_size - 1) * nbytes
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    """One gradient bucket of a step: ``ready`` is the fraction of the backward pass after
+    which its gradients exist (0..1), ``compress_s`` the CPU time of its compression and
+    decompression, ``collectives`` what it sends, in order."""
+
+    ready: float
+    compress_s: float
+    collectives: tuple[Collective, ...]
+    numel: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ready <= 1.0:
+            raise ValueError(f"bucket ready fraction must be in [0, 1], got {self.ready}")
+        if self.compress_s < 0:
+            raise ValueError(f"compress time must be >= 0, got {self.compress_s}")
+
+    def comm_time(self, world_size: int, link: Link) -> float:
+        """Seconds of this bucket's collectives, one after another."""
+        return sum(collective_time(c.kind, c.nbytes, world_size, link) for c in self.collectives)
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """What one method sends per optimizer step, bucket by bucket in exchange order.
+
+    ``dense_bytes`` is the fp32 size of all gradients (for the compression ratio). A method
+    without buckets (``local``) does not communicate at all.
+    """
+
+    method: str
+    buckets: tuple[BucketCost, ...] = ()
+    dense_bytes: int = 0
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes this rank contributes to collectives per step."""
+        return sum(c.nbytes for b in self.buckets for c in b.collectives)
+
+    @property
+    def collectives(self) -> int:
+        """Collectives per step."""
+        return sum(len(b.collectives) for b in self.buckets)
+
+    @property
+    def compress_s(self) -> float:
+        """CPU seconds of compression and decompression per step."""
+        return sum(b.compress_s for b in self.buckets)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense fp32 bytes over payload bytes (``nan`` without communication)."""
+        return self.dense_bytes / self.payload_bytes if self.payload_bytes else math.nan
+
+    def sent_bytes(self, world_size: int) -> float:
+        """Payload bytes one rank sends per step under the ring algorithms."""
+        return sum(
+            wire_bytes(c.kind, c.nbytes, world_size) for b in self.buckets for c in b.collectives
+        )
+
+    def comm_time(self, world_size: int, link: Link) -> float:
+        """Seconds of all collectives of a step, back to back (nothing overlapped)."""
+        return sum(b.comm_time(world_size, link) for b in self.buckets)
+
+    def scaled(self, compress_factor: float) -> MethodCost:
+        """The same traffic with compression times multiplied by ``compress_factor`` (e.g.
+        the slowdown of CPUs shared by several workers)."""
+        _check_factor(compress_factor)
+        buckets = tuple(replace(b, compress_s=b.compress_s * compress_factor) for b in self.buckets)
+        return replace(self, buckets=buckets)
+
+
+@dataclass(frozen=True)
+class ComputeTime:
+    """Seconds of one worker's forward pass, backward pass and optimizer step."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "optimizer_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite time >= 0, got {value!r}")
+
+    @property
+    def total(self) -> float:
+        """The compute-only step time (``local``: nothing exchanged)."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def scaled(self, factor: float) -> ComputeTime:
+        """Every phase multiplied by ``factor``: e.g. ``measured_local_step / total`` to
+        calibrate a one-process profile to workers that share CPUs."""
+        _check_factor(factor)
+        return ComputeTime(
+            self.forward_s * factor, self.backward_s * factor, self.optimizer_s * factor
+        )
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """The predicted step of one method on one link and world size (seconds, bytes)."""
+
+    method: str
+    world_size: int
+    bandwidth_bps: float
+    latency_s: float
+    step_s: float
+    compute_s: float
+    compress_s: float
+    comm_s: float
+    exposed_comm_s: float
+    payload_bytes: int
+    sent_bytes: float
+    collectives: int
+    compression_ratio: float
+
+    @property
+    def efficiency(self) -> float:
+        """Scaling efficiency: the compute-only step over the predicted step."""
+        return self.compute_s / self.step_s if self.step_s > 0 else 1.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        """A flat dict for JSON."""
+        return {
+            "method": self.method,
+            "world_size": self.world_size,
+            "bandwidth_bps": self.bandwidth_bps,
+            "latency_s": self.latency_s,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "compress_s": self.compress_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "efficiency": self.efficiency,
+            "payload_bytes": self.payload_bytes,
+            "sent_bytes": self.sent_bytes,
+            "collectives": self.collectives,
+            "compression_ratio": self.compression_ratio,
+        }
+
+
+def step_time(
+    compute: ComputeTime,
+    cost: MethodCost,
+    link: Link,
+    world_size: int,
+    *,
+    overlap: bool = True,
+) -> float:
+    """Seconds of one step under the timeline of the module docstring."""
+    _check_world(world_size)
+    backward_end = compute.forward_s + compute.backward_s
+    cpu_delay = 0.0  # compression done so far, which has pushed the backward pass back
+    exchange_free = 0.0  # when the exchange thread (and the link) can take the next job
+    for bucket in cost.buckets:
+        ready = compute.forward_s + compute.backward_s * (bucket.ready if overlap else 1.0)
+        start = max(ready + cpu_delay, exchange_free)
+        cpu_delay += bucket.compress_s
+        exchange_free = start + bucket.compress_s + bucket.comm_time(world_size, link)
+    return max(backward_end + cpu_delay, exchange_free) + compute.optimizer_s
+
+
+def predict_step(
+    compute: ComputeTime,
+    cost: MethodCost,
+    link: Link,
+    world_size: int,
+    *,
+    overlap: bool = True,
+) -> StepPrediction:
+    """Predict one step of ``cost.method``: its time and how it splits (see the module
+    docstring for the overlap assumption)."""
+    step = step_time(compute, cost, link, world_size, overlap=overlap)
+    return StepPrediction(
+        method=cost.method,
+        world_size=world_size,
+        bandwidth_bps=link.bandwidth_bps,
+        latency_s=link.latency_s,
+        step_s=step,
+        compute_s=compute.total,
+        compress_s=cost.compress_s,
+        comm_s=cost.comm_time(world_size, link),
+        exposed_comm_s=max(0.0, step - compute.total - cost.compress_s),
+        payload_bytes=cost.payload_bytes,
+        sent_bytes=cost.sent_bytes(world_size),
+        collectives=cost.collectives,
+        compression_ratio=cost.compression_ratio,
+    )
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Where a method stops beating the dense reference as bandwidth grows.
+
+    ``verdict``: ``"below"`` (faster than dense below ``bandwidth_bps``, not above it),
+    ``"always"`` (faster everywhere in the searched range), ``"never"`` (never faster).
+    """
+
+    verdict: str
+    bandwidth_bps: float | None = None
+
+    def describe(self) -> str:
+        """A short human-readable form: ``"< 123 Mbit/s"``, ``"always"``, ``"never"``."""
+        if self.verdict == "below":
+            assert self.bandwidth_bps is not None
+            return f"< {format_rate(self.bandwidth_bps)}"
+        return self.verdict
+
+    def as_dict(self) -> dict[str, object]:
+        """A flat dict for JSON."""
+        return {"verdict": self.verdict, "bandwidth_bps": self.bandwidth_bps}
+
+
+def break_even_bandwidth(
+    compute: ComputeTime,
+    cost: MethodCost,
+    reference: MethodCost,
+    latency_s: float,
+    world_size: int,
+    *,
+    link: Link | None = None,
+    overlap: bool = True,
+    search: tuple[float, float] = BREAK_EVEN_RANGE,
+) -> BreakEven:
+    """The bandwidth above which ``cost`` no longer beats ``reference`` (normally dense).
+
+    Scans ``search`` (bits/s) on a log grid for the highest bandwidth at which the method's
+    predicted step is strictly shorter, then bisects the crossing to 0.1 %. ``link`` gives
+    the MTU and headers (its bandwidth is ignored); default: Ethernet MTU.
+    """
+    low, high = search
+    if not 0 < low < high:
+        raise ValueError(f"search range must satisfy 0 < low < high, got {search}")
+    base = link if link is not None else Link(high, latency_s)
+    base = replace(base, latency_s=latency_s)
+
+    def gain(bandwidth: float) -> float:
+        at = base.with_bandwidth(bandwidth)
+        ours = step_time(compute, cost, at, world_size, overlap=overlap)
+        theirs = step_time(compute, reference, at, world_size, overlap=overlap)
+        return theirs - ours  # > 0: the method is faster
+
+    tolerance = 1e-12
+    grid = [low * (high / low) ** (i / 240) for i in range(241)]
+    wins = [gain(b) > tolerance * max(1.0, compute.total) for b in grid]
+    if not any(wins):
+        return BreakEven("never")
+    if wins[-1]:
+        return BreakEven("always")
+    last = max(i for i, win in enumerate(wins) if win)
+    return BreakEven("below", _bisect(gain, grid[last], grid[last + 1], tolerance))
+
+
+def _bisect(gain: Callable[[float], float], winning: float, losing: float, eps: float) -> float:
+    """Bisect (in log space) the bandwidth between ``winning`` and ``losing`` to 0.1 %."""
+    while losing / winning > 1.001:
+        middle = math.sqrt(winning * losing)
+        if gain(middle) > eps:
+            winning = middle
+        else:
+            losing = middle
+    return math.sqrt(winning * losing)
+
+
+def format_rate(bits_per_second: float) -> str:
+    """``1.5e8`` -> ``"150 Mbit/s"``."""
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_second >= scale:
+            return f"{bits_per_second / scale:.3g} {unit}"
+    return f"{bits_per_second:.3g} bit/s"
+
+
+def format_bytes(nbytes: float) -> str:
+    """``2.5e6`` -> ``"2.5 MB"`` (decimal units, as bandwidths are)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def plan(
+    compute: ComputeTime,
+    costs: Mapping[str, MethodCost],
+    link: Link,
+    world_size: int,
+    *,
+    reference: str = "dense",
+    overlap: bool = True,
+) -> list[tuple[StepPrediction, BreakEven | None]]:
+    """Predict every method in ``costs`` and, for those that communicate, the bandwidth at
+    which it stops beating ``costs[reference]`` (``None`` for the reference itself and for
+    methods without communication, or when there is no reference)."""
+    rows = []
+    ref = costs.get(reference)
+    for name, cost in costs.items():
+        prediction = predict_step(compute, cost, link, world_size, overlap=overlap)
+        verdict = None
+        if ref is not None and name != reference and cost.buckets:
+            verdict = break_even_bandwidth(
+                compute, cost, ref, link.latency_s, world_size, link=link, overlap=overlap
+            )
+        rows.append((prediction, verdict))
+    return rows
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; choose one of: {', '.join(KINDS)}")
+
+
+def _check_world(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
+
+
+def _check_factor(factor: float) -> None:
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
+
+
+__all__ = [
+    "ALLGATHER",
+    "ALLREDUCE",
+    "ETHERNET_MTU",
+    "TCP_IP_HEADER_BYTES",
+    "BreakEven",
+    "BucketCost",
+    "Collective",
+    "ComputeTime",
+    "Link",
+    "MethodCost",
+    "StepPrediction",
+    "break_even_bandwidth",
+    "collective_time",
+    "format_bytes",
+    "format_rate",
+    "plan",
+    "predict_step",
+    "step_time",
+    "wire_bytes",
+]

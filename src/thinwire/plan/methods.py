@@ -1,0 +1,139 @@
+"""Method names, in one place: what ``thinwire plan`` predicts and ``thinwire bench`` runs.
+
+A *method* is one way of exchanging gradients in a data-parallel step:
+
+=================  ==========================================================================
+``local``          no exchange at all: one worker's compute only (the scaling limit)
+``dense``          PyTorch DDP's own fp32 all-reduce, bucket by bucket
+``ddp-fp16``       DDP with PyTorch's ``fp16_compress_hook`` (fp16 all-reduce)
+``ddp-powersgd``   DDP with PyTorch's ``powerSGD_hook`` (options: ``PowerSGDState``'s)
+any compressor     DDP with ``thinwire.register(ddp_model, name, **options)``
+=================  ==========================================================================
+
+    method_kind("dgc")          # Kind.THINWIRE
+    method_options("ddp-powersgd", {"matrix_approximation_rank": 2})
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Kind(enum.Enum):
+    """How a method exchanges gradients."""
+
+    LOCAL = "local"  #: no exchange (compute only)
+    DDP = "ddp"  #: DDP's built-in fp32 all-reduce
+    DDP_FP16 = "ddp-fp16"  #: DDP + torch's fp16_compress_hook
+    DDP_POWERSGD = "ddp-powersgd"  #: DDP + torch's powerSGD_hook
+    THINWIRE = "thinwire"  #: DDP + a thinwire compressor via thinwire.register
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method that is not a thinwire compressor: its ``kind``, a one-line ``summary``
+    and the ``defaults`` of its options."""
+
+    name: str
+    kind: Kind
+    summary: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: The methods that are not thinwire compressors. ``ddp-powersgd`` defaults to
+#: ``start_powerSGD_iter=2`` (the smallest PyTorch allows with error feedback) so that a
+#: short benchmark measures PowerSGD, not the dense warm-up; the plan models the steady state.
+BUILTIN_METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("local", Kind.LOCAL, "no exchange: one worker's compute only"),
+        Method("dense", Kind.DDP, "PyTorch DDP fp32 all-reduce"),
+        Method("ddp-fp16", Kind.DDP_FP16, "PyTorch DDP + fp16_compress_hook"),
+        Method(
+            "ddp-powersgd",
+            Kind.DDP_POWERSGD,
+            "PyTorch DDP + powerSGD_hook",
+            {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2},
+        ),
+    )
+}
+
+#: options a thinwire compressor gets unless given (the benchmark's: PowerSGD at rank 2,
+#: the rank ``ddp-powersgd`` defaults to, so that both implementations compare)
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"powersgd": {"rank": 2}}
+
+#: what ``thinwire plan`` predicts when no ``--methods`` are given
+DEFAULT_PLAN_METHODS = (
+    "local",
+    "dense",
+    "ddp-fp16",
+    "ddp-powersgd",
+    "fp16",
+    "powersgd",
+    "dgc",
+    "onebit",
+    "terngrad",
+)
+
+
+def method_names() -> list[str]:
+    """Every method name: the built-in ones, then the registered thinwire compressors."""
+    from thinwire.compress.registry import compressors
+
+    return [*BUILTIN_METHODS, *(n for n in compressors() if n not in BUILTIN_METHODS)]
+
+
+def method_kind(name: str) -> Kind:
+    """The :class:`Kind` of method ``name``; unknown names raise ``ValueError`` listing all."""
+    if name in BUILTIN_METHODS:
+        return BUILTIN_METHODS[name].kind
+    from thinwire.compress.registry import compressors
+
+    if name in compressors():
+        return Kind.THINWIRE
+    raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(method_names())}")
+
+
+def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The options of method ``name``: its defaults updated with ``options``, validated.
+
+    Thinwire compressors are built once to check their options; ``ddp-powersgd`` accepts the
+    arguments of PyTorch's ``PowerSGDState`` (except ``process_group``) and ``rank`` for
+    ``matrix_approximation_rank``; ``local``, ``dense`` and ``ddp-fp16`` take none.
+    """
+    kind = method_kind(name)
+    given = dict(options or {})
+    if kind is Kind.THINWIRE:
+        from thinwire.compress.registry import compressor
+
+        merged = {**DEFAULT_OPTIONS.get(name, {}), **given}
+        compressor(name, **merged)  # raises on unknown or invalid options
+        return merged
+    if kind is Kind.DDP_POWERSGD and "rank" in given:  # thinwire's spelling, as bench uses
+        if "matrix_approximation_rank" in given:
+            raise ValueError("give ddp-powersgd either rank or matrix_approximation_rank, not both")
+        given["matrix_approximation_rank"] = given.pop("rank")
+    merged = {**BUILTIN_METHODS[name].defaults, **given}
+    accepted = _powersgd_options() if kind is Kind.DDP_POWERSGD else set()
+    unknown = sorted(set(given) - accepted)
+    if unknown:
+        raise ValueError(
+            f"method {name!r} has no option(s) {', '.join(unknown)}; "
+            f"its options are: {', '.join(sorted(accepted)) or 'none'}"
+        )
+    if kind is Kind.DDP_POWERSGD:
+        rank = merged["matrix_approximation_rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {rank!r}")
+    return merged
+
+
+def _powersgd_options() -> set[str]:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    params = inspect.signature(PowerSGDState.__init__).parameters
+    return {p for p in params if p not in ("self", "process_group")}

@@ -1,0 +1,471 @@
+"""Measure what the cost model needs, in this process, on one thread.
+
+- :func:`measure_compute`: forward, backward and optimizer time of a model on a batch
+  (median of a few runs after warm-up), and when each parameter's gradient is ready
+  during the backward pass (which decides how much communication can overlap it).
+- :func:`ddp_buckets`: DDP's gradient buckets (after its first-iteration rebuild: in the
+  order gradients become ready, the first one capped at 1 MiB, the others at 25 MiB).
+- :func:`measure_method`: per bucket, the collectives a method issues (kind and bytes,
+  fused per round as thinwire's engine or PyTorch's hooks do) and the CPU time of its
+  compression and decompression, on random gradients of the model's real shapes. Gathered
+  payloads are decoded ``world_size`` times, as every rank decodes every rank's payload.
+
+No ``torch.distributed`` process group is needed: exchange protocols are answered locally
+(a sum is ``world_size`` copies of this rank's payload, a gather ``world_size`` payloads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from thinwire.compress.base import Aggregation, Compressor, Memory, Op, Request, Slot
+from thinwire.compress.none import NoCompression
+from thinwire.plan.cost import (
+    ALLGATHER,
+    ALLREDUCE,
+    BucketCost,
+    Collective,
+    ComputeTime,
+    MethodCost,
+)
+from thinwire.plan.methods import Kind, method_kind, method_options
+
+#: DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``)
+FIRST_BUCKET_MB = 1.0
+BUCKET_CAP_MB = 25.0
+MB = 2**20
+
+NamedTensors = Sequence[tuple[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """One worker's compute: the phase times, and for each parameter the fraction of the
+    backward pass after which its gradient is ready (``ready``), in ready ``order``."""
+
+    time: ComputeTime
+    ready: Mapping[str, float]
+    order: tuple[str, ...]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block with one intra-op thread (as every benchmark worker does)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_compute(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> ComputeProfile:
+    """Time forward, backward and optimizer step of ``model`` on ``batch`` (medians of
+    ``repeats`` runs after ``warmup``), on one thread. The model is trained by the runs
+    (default optimizer: SGD, lr 0.01, momentum 0.9)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no parameters that require gradients")
+    opt = optimizer or torch.optim.SGD([p for _, p in named], lr=0.01, momentum=0.9)
+    stamps: dict[str, float] = {}
+
+    def stamper(name: str) -> Callable[[Tensor], None]:
+        def stamp(_: Tensor) -> None:
+            stamps.setdefault(name, time.perf_counter())
+
+        return stamp
+
+    handles = [p.register_post_accumulate_grad_hook(stamper(name)) for name, p in named]
+    x, y = batch
+    phases: list[tuple[float, float, float]] = []
+    ready: dict[str, list[float]] = {name: [] for name, _ in named}
+    orders: list[tuple[str, ...]] = []
+    model.train()
+    try:
+        with one_thread():
+            for run in range(warmup + repeats):
+                opt.zero_grad(set_to_none=True)
+                stamps.clear()
+                t0 = time.perf_counter()
+                loss = loss_fn(model(x), y)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                opt.step()
+                t3 = time.perf_counter()
+                if run < warmup:
+                    continue
+                phases.append((t1 - t0, t2 - t1, t3 - t2))
+                for name, _ in named:  # unused parameters: ready at the end
+                    ready[name].append(min(1.0, (stamps.get(name, t2) - t1) / (t2 - t1)))
+                orders.append(tuple(sorted(stamps, key=stamps.__getitem__)))
+    finally:
+        for handle in handles:
+            handle.remove()
+        opt.zero_grad(set_to_none=True)
+    forward, backward, step = (statistics.median(p[i] for p in phases) for i in range(3))
+    order = orders[-1] + tuple(n for n, _ in reversed(named) if n not in orders[-1])
+    return ComputeProfile(
+        ComputeTime(forward, backward, step),
+        {name: statistics.median(values) for name, values in ready.items()},
+        order,
+    )
+
+
+def ddp_buckets(
+    params: NamedTensors,
+    order: Sequence[str] | None = None,
+    *,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
+) -> list[list[str]]:
+    """DDP's buckets of ``params`` (names), in the order DDP reduces them.
+
+    Parameters are taken in gradient-ready ``order`` (default: reverse definition order,
+    what the backward pass usually produces); a bucket closes once it holds at least its
+    limit: ``first_bucket_mb`` for the first, ``bucket_cap_mb`` for the others (DDP's
+    rebuilt buckets after the first iteration, for one dtype and device).
+    """
+    if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+        raise ValueError(
+            f"bucket sizes must be > 0 MB, got bucket_cap_mb={bucket_cap_mb}, "
+            f"first_bucket_mb={first_bucket_mb}"
+        )
+    sizes = {name: t.numel() * t.element_size() for name, t in params}
+    names = list(order) if order is not None else [n for n, _ in reversed(params)]
+    missing = set(sizes) - set(names)
+    if missing or len(names) != len(sizes) or set(names) != set(sizes):
+        raise ValueError(
+            f"order must name each of the {len(sizes)} parameters once; "
+            f"missing {sorted(missing)[:5]}, got {len(names)} names"
+        )
+    limits = [int(first_bucket_mb * MB), int(bucket_cap_mb * MB)]
+    buckets: list[list[str]] = [[]]
+    filled = 0
+    for name in names:
+        buckets[-1].append(name)
+        filled += sizes[name]
+        if filled >= limits[min(len(buckets) - 1, 1)]:
+            buckets.append([])
+            filled = 0
+    return [b for b in buckets if b]
+
+
+def measure_method(
+    method: str,
+    params: NamedTensors,
+    *,
+    world_size: int,
+    options: Mapping[str, Any] | None = None,
+    compute: ComputeProfile | None = None,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    repeats: int = 3,
+    seed: int = 0,
+) -> MethodCost:
+    """What ``method`` sends per step for parameters ``params`` and how long its
+    compression takes (median of ``repeats`` steps after one warm-up step, past any density
+    warm-up), bucketed as DDP does (ready order and fractions from ``compute``)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    kind = method_kind(method)
+    opts = method_options(method, options)
+    params = [(n, p) for n, p in params]
+    dense_bytes = sum(p.numel() * 4 for _, p in params)
+    if kind is Kind.LOCAL:
+        return MethodCost(method, (), dense_bytes, opts)
+    order = compute.order if compute is not None else None
+    groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb)
+    by_name = dict(params)
+    exchanger = _exchanger(kind, method, opts, world_size)
+    generator = torch.Generator().manual_seed(seed)
+    buckets = []
+    with one_thread():
+        for index, names in enumerate(groups):
+            bucket = _Bucket(index, [(n, by_name[n]) for n in names])
+            times = []
+            collectives: list[Collective] = []
+            for run in range(repeats + 1):
+                bucket.fill(generator)
+                started = time.perf_counter()
+                collectives = exchanger(bucket, run)
+                if run:
+                    times.append(time.perf_counter() - started)
+            ready = max((compute.ready[n] for n in names), default=1.0) if compute else 1.0
+            compress_s = statistics.median(times) if kind is not Kind.DDP else 0.0
+            buckets.append(BucketCost(ready, compress_s, tuple(collectives), bucket.numel))
+    return MethodCost(method, tuple(buckets), dense_bytes, opts)
+
+
+# -- the bucket a hook sees -----------------------------------------------------------------
+
+
+class _Bucket:
+    """A DDP-style bucket: one flat fp32 buffer, a view per parameter."""
+
+    def __init__(self, index: int, params: Sequence[tuple[str, Tensor]]) -> None:
+        self.index = index
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.numel = sum(p.numel() for p in self.params)
+        self.buffer = torch.empty(self.numel, dtype=torch.float32)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+    def fill(self, generator: torch.Generator) -> None:
+        """Fresh random gradients (small, like real ones)."""
+        self.buffer.copy_(torch.randn(self.numel, generator=generator)).mul_(1e-3)
+
+
+Exchanger = Callable[[_Bucket, int], list[Collective]]
+
+
+def _exchanger(kind: Kind, method: str, options: Mapping[str, Any], world: int) -> Exchanger:
+    if kind is Kind.DDP:
+        return lambda bucket, run: [Collective(ALLREDUCE, bucket.numel * 4)]
+    if kind is Kind.DDP_FP16:
+        return lambda bucket, run: _fp16_hook(bucket, world)
+    if kind is Kind.DDP_POWERSGD:
+        return _TorchPowerSGD(options, world)
+    from thinwire.compress.registry import compressor as build
+
+    return _ThinwireEngine(build(method, **options), world)
+
+
+def _fp16_hook(bucket: _Bucket, world: int) -> list[Collective]:
+    """What ``fp16_compress_hook`` does around its all-reduce."""
+    half = bucket.buffer.to(torch.float16).div_(world)
+    bucket.buffer.copy_(half)
+    return [Collective(ALLREDUCE, half.numel() * half.element_size())]
+
+
+class _ThinwireEngine:
+    """thinwire's exchange engine for one bucket, collectives answered locally: memory ->
+    compressor protocols in lock-step -> one fused collective per round (per (op, dtype)
+    under all-reduce; all requests plus a status byte under all-gather) -> memory update."""
+
+    def __init__(self, compressor: Compressor, world: int) -> None:
+        self.compressor = compressor
+        self.memory: Memory = compressor.make_memory()
+        self.dense = NoCompression()
+        self.world = world
+        self.gather = compressor.aggregation is Aggregation.GATHER
+        #: the first step past any density warm-up
+        self.steady = int(getattr(compressor, "warmup_steps", 0) or 0)
+
+    def __call__(self, bucket: _Bucket, run: int) -> list[Collective]:
+        runs = []
+        for name, grad, param in zip(bucket.names, bucket.views, bucket.params, strict=True):
+            bool(torch.isfinite(grad).all())
+            slot = Slot(name, self.steady + run, self.world, 0)
+            compressed = self.compressor.compresses(grad)
+            chosen = self.compressor if compressed else self.dense
+            corrected = self.memory.compensate(grad, slot, param)
+            runs.append([slot, compressed, corrected, chosen.exchange(corrected, slot), None])
+        answers: list[Any] = [None] * len(runs)
+        collectives: list[Collective] = []
+        while True:
+            requests, owners = [], []
+            for i, entry in enumerate(runs):
+                if entry[4] is not None:
+                    continue
+                try:
+                    requests.append(entry[3].send(answers[i]))
+                    owners.append(i)
+                except StopIteration as stop:
+                    entry[4] = stop.value
+            if not requests:
+                break
+            collectives.extend(self._fused(requests))
+            for i, request in zip(owners, requests, strict=True):
+                answers[i] = _answer(request, self.world)
+        for entry, grad in zip(runs, bucket.views, strict=True):
+            slot, compressed, corrected, _, result = entry
+            self.memory.update(corrected, result, slot, compressed)
+            grad.copy_(result.mean.reshape(grad.shape))
+        return collectives
+
+    def _fused(self, requests: Sequence[Request]) -> list[Collective]:
+        if self.gather:
+            payload = sum(_nbytes(t) for r in requests for t in r.tensors)
+            return [Collective(ALLGATHER, payload + 1)]  # + the engine's status byte
+        fused: dict[tuple[Op, torch.dtype], int] = {}
+        for request in requests:
+            key = (request.op, request.tensors[0].dtype)
+            fused[key] = fused.get(key, 0) + sum(_nbytes(t) for t in request.tensors)
+        return [Collective(ALLREDUCE, nbytes) for nbytes in fused.values()]
+
+
+def _answer(request: Request, world: int) -> Any:
+    """What the collective would return if every rank had sent this rank's payload."""
+    if request.op is Op.GATHER:
+        return [list(request.tensors)] * world
+    if request.op is Op.SUM:
+        return [t * world for t in request.tensors]
+    return [t.clone() for t in request.tensors]
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _TorchPowerSGD:
+    """The tensor math of PyTorch's ``powerSGD_hook`` past ``start_powerSGD_iter`` (error
+    feedback, warm start), with its three chained all-reduces per bucket: the uncompressed
+    tensors, the P factors, the Q factors (empty ones are not counted)."""
+
+    def __init__(self, options: Mapping[str, Any], world: int) -> None:
+        self.rank = int(options["matrix_approximation_rank"])
+        self.min_rate = float(options.get("min_compression_rate", 2))
+        self.error_feedback = bool(options.get("use_error_feedback", True))
+        self.warm_start = bool(options.get("warm_start", True))
+        self.epsilon = float(options.get("orthogonalization_epsilon", 0))
+        self.world = world
+        self.errors: dict[int, Tensor] = {}
+        self.qs: dict[int, Tensor] = {}
+
+    def __call__(self, bucket: _Bucket, run: int) -> list[Collective]:
+        buffer = bucket.buffer
+        copy = None
+        if self.error_feedback:
+            if bucket.index in self.errors:
+                buffer.add_(self.errors[bucket.index])
+            copy = buffer.clone()
+        matrices, plain = [], []
+        for view in bucket.views:
+            n = view.shape[0] if view.dim() else 1
+            m = view.numel() // max(n, 1)
+            r = min(n, m, self.rank)
+            if (n + m) * r * self.min_rate < n * m:
+                matrices.append((view.reshape(1, n, m), r))
+            else:
+                plain.append(view)
+        flat_plain = torch.cat([t.reshape(-1) for t in plain]) if plain else buffer[:0]
+        p_size = sum(mat.shape[1] * r for mat, r in matrices)
+        q_size = sum(mat.shape[2] * r for mat, r in matrices)
+        q_memory = self.qs.get(bucket.index)
+        if q_memory is None or not self.warm_start:
+            q_memory = torch.randn(q_size)
+        p_memory = torch.empty(p_size)
+        ps, qs, p_at, q_at = [], [], 0, 0
+        for mat, r in matrices:
+            _, n, m = mat.shape
+            ps.append(p_memory[p_at : p_at + n * r].view(1, n, r))
+            qs.append(q_memory[q_at : q_at + m * r].view(1, m, r))
+            p_at, q_at = p_at + n * r, q_at + m * r
+        for q in qs:
+            _orthogonalize(q, self.epsilon)
+        for (mat, _), q, p in zip(matrices, qs, ps, strict=True):
+            torch.bmm(mat, q, out=p)
+        flat_plain.mul_(self.world).div_(self.world)  # the summed uncompressed tensors
+        offset = 0
+        for t in plain:
+            t.copy_(flat_plain[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        p_memory.mul_(self.world)  # the summed P
+        for p in ps:
+            _orthogonalize(p, self.epsilon)
+        for (mat, _), p, q in zip(matrices, ps, qs, strict=True):
+            torch.bmm(mat.transpose(1, 2), p, out=q)
+        q_memory.mul_(self.world).div_(self.world)  # the summed Q, averaged
+        for (mat, _), p, q in zip(matrices, ps, qs, strict=True):
+            torch.bmm(p, q.transpose(1, 2), out=mat)
+        if copy is not None:
+            self.errors[bucket.index] = copy - buffer
+        self.qs[bucket.index] = q_memory
+        sizes = (flat_plain.numel() * 4, p_size * 4, q_size * 4)
+        return [Collective(ALLREDUCE, nbytes) for nbytes in sizes if nbytes]
+
+
+def _orthogonalize(matrices: Tensor, epsilon: float) -> None:
+    """PyTorch's own orthogonalisation (Gram-Schmidt for rank <= 2, QR above)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    powerSGD_hook._orthogonalize(matrices, epsilon)
+
+
+# -- a whole model --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's compute profile and every requested method's traffic, for one world size."""
+
+    compute: ComputeProfile
+    costs: dict[str, MethodCost]
+    world_size: int
+
+
+def profile_model(
+    model: nn.Module,
+    batch: tuple[Tensor, Tensor],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    methods: Mapping[str, Mapping[str, Any] | None],
+    *,
+    world_size: int,
+    repeats: int = 5,
+    method_repeats: int = 3,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+) -> Profile:
+    """Measure ``model``'s compute on ``batch`` and each method's traffic and compression
+    time (``methods``: name -> options) for ``world_size`` workers."""
+    for name, opts in methods.items():
+        method_options(name, opts)  # fail fast, before the slow part
+    compute = measure_compute(model, batch, loss_fn, repeats=repeats)
+    params = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
+    costs = {
+        name: measure_method(
+            name,
+            params,
+            world_size=world_size,
+            options=opts,
+            compute=compute,
+            bucket_cap_mb=bucket_cap_mb,
+            repeats=method_repeats,
+        )
+        for name, opts in methods.items()
+    }
+    return Profile(compute, costs, world_size)
+
+
+def profile_task(
+    task: Any,
+    methods: Mapping[str, Mapping[str, Any] | None],
+    *,
+    world_size: int,
+    repeats: int = 5,
+    method_repeats: int = 3,
+) -> Profile:
+    """:func:`profile_model` for a :class:`thinwire.tasks.Task` (rank 0's first batch)."""
+    model = task.build_model()
+    batch = task.batch(0, world_size, 0)
+    return profile_model(
+        model,
+        batch,
+        task.loss,
+        methods,
+        world_size=world_size,
+        repeats=repeats,
+        method_repeats=method_repeats,
+    )

@@ -1,0 +1,197 @@
+"""``thinwire plan``: profile a task, predict every method's step, print a table and JSON.
+
+thinwire plan --task fashion --workers 4 --bandwidth 100mbit --latency 1ms
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from thinwire.plan.cost import (
+    BreakEven,
+    Link,
+    StepPrediction,
+    format_bytes,
+    format_rate,
+    plan,
+)
+from thinwire.plan.methods import DEFAULT_PLAN_METHODS, method_options
+
+#: the method that break-even bandwidths are measured against
+REFERENCE = "dense"
+
+Rows = Sequence[tuple[StepPrediction, BreakEven | None]]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Validated inputs of ``thinwire plan``: bandwidth in bits/s, latency in s."""
+
+    task: str
+    workers: int
+    bandwidth_bps: float
+    latency_s: float
+    methods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    task_options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_request(
+    task: str,
+    workers: int,
+    bandwidth: str,
+    latency: str,
+    methods: str = "",
+    options: str = "",
+) -> PlanRequest:
+    """Check and convert the command-line strings; ``ValueError`` says what is wrong.
+
+    ``methods``: comma-separated names (default :data:`DEFAULT_PLAN_METHODS`); ``options``:
+    JSON of options per method, e.g. ``{"dgc": {"density": 0.01}}`` (a method named only
+    there is added).
+    """
+    from thinwire.cluster.emulated import parse_duration, parse_rate
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
+    rate = parse_rate(bandwidth)
+    if rate is None:
+        raise ValueError(f"--bandwidth must be a finite rate such as 100mbit, got {bandwidth!r}")
+    delay = parse_duration(latency)
+    names = [n.strip() for n in methods.split(",") if n.strip()] or list(DEFAULT_PLAN_METHODS)
+    chosen: dict[str, dict[str, Any]] = {name: {} for name in names}
+    if options:
+        try:
+            given = json.loads(options)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--options is not valid JSON ({error}): {options!r}") from None
+        if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+            raise ValueError(
+                '--options must map method names to option objects, e.g. {"dgc": {"density": '
+                f"0.01}}}}, got {options!r}"
+            )
+        chosen.update(given)
+    for name, opts in chosen.items():
+        chosen[name] = method_options(name, opts)
+    return PlanRequest(task, workers, rate, delay, chosen)
+
+
+def run_plan(request: PlanRequest) -> tuple[Any, Rows]:
+    """Profile ``request.task`` and predict each method: ``(profile, rows)``."""
+    from thinwire.plan.profile import profile_task
+    from thinwire.tasks import task as build_task
+
+    methods = dict(request.methods)
+    methods.setdefault(REFERENCE, {})  # the break-even reference, shown only if asked for
+    profile = profile_task(
+        build_task(request.task, **request.task_options), methods, world_size=request.workers
+    )
+    link = Link(request.bandwidth_bps, request.latency_s)
+    rows = plan(profile.compute.time, profile.costs, link, request.workers, reference=REFERENCE)
+    shown = [row for row in rows if row[0].method in request.methods]
+    return profile, shown
+
+
+def plan_table(rows: Rows, title: str) -> Table:
+    """A rich table with one row per method: bytes this rank contributes per step and what
+    the ring algorithms make it send, the compression ratio, collectives per step, the time
+    split, scaling efficiency and the bandwidth below which the method beats dense."""
+    table = Table(title=title)
+    for column in (
+        "method",
+        "bytes/rank",
+        "sent/rank",
+        "ratio",
+        "coll.",
+        "compute s",
+        "compress s",
+        "comm s",
+        "step s",
+        "efficiency",
+        "beats dense",
+    ):
+        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    for prediction, verdict in rows:
+        ratio = prediction.compression_ratio
+        table.add_row(
+            prediction.method,
+            format_bytes(prediction.payload_bytes),
+            format_bytes(prediction.sent_bytes),
+            "-" if math.isnan(ratio) else f"{ratio:.3g}x",
+            str(prediction.collectives),
+            _seconds(prediction.compute_s),
+            _seconds(prediction.compress_s),
+            _seconds(prediction.comm_s),
+            _seconds(prediction.step_s),
+            f"{prediction.efficiency:.0%}",
+            verdict.describe() if verdict is not None else "-",
+        )
+    return table
+
+
+def plan_title(request: PlanRequest) -> str:
+    """The table's title: task, workers, link."""
+    return (
+        f"thinwire plan: {request.task}, {request.workers} workers, "
+        f"{format_rate(request.bandwidth_bps)}, latency {request.latency_s * 1e3:g} ms"
+    )
+
+
+def plan_json(request: PlanRequest, profile: Any, rows: Rows) -> dict[str, Any]:
+    """Everything the table shows, plus the inputs and the compute profile, as JSON data."""
+    compute = profile.compute.time
+    return {
+        "task": request.task,
+        "workers": request.workers,
+        "bandwidth_bps": request.bandwidth_bps,
+        "latency_s": request.latency_s,
+        "compute": {
+            "forward_s": compute.forward_s,
+            "backward_s": compute.backward_s,
+            "optimizer_s": compute.optimizer_s,
+        },
+        "methods": [
+            {
+                **prediction.as_dict(),
+                "options": _jsonable(profile.costs[prediction.method].options),
+                "buckets": len(profile.costs[prediction.method].buckets),
+                "break_even": verdict.as_dict() if verdict is not None else None,
+            }
+            for prediction, verdict in rows
+        ],
+    }
+
+
+def write_json(data: Mapping[str, Any], path: str | Path) -> None:
+    """Write ``data`` to ``path`` as strict JSON (NaN and infinities become ``null``;
+    directories are created)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def _jsonable(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        for k, v in options.items()
+    }

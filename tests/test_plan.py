@@ -1,0 +1,323 @@
+"""The cost model (alpha-beta formulas, timeline, break-even), profiling and ``thinwire plan``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import thinwire
+from thinwire.cli import main
+from thinwire.compress.base import Slot, run_locally
+from thinwire.compress.none import NoCompression
+from thinwire.plan import (
+    ALLGATHER,
+    ALLREDUCE,
+    BucketCost,
+    Collective,
+    ComputeTime,
+    Link,
+    MethodCost,
+    break_even_bandwidth,
+    collective_time,
+    ddp_buckets,
+    measure_compute,
+    measure_method,
+    method_kind,
+    method_options,
+    predict_step,
+    step_time,
+)
+from thinwire.plan.methods import Kind
+
+pytestmark = [pytest.mark.timeout(120)]
+
+MBYTE_PER_S = 8e6  # bits per second that move 1e6 bytes per second
+
+
+def bare(bandwidth_bps: float, latency_s: float = 0.0) -> Link:
+    """A link without header overhead, for hand-computed cases."""
+    return Link(bandwidth_bps, latency_s, header_bytes=0)
+
+
+def one_bucket(method: str, kind: str, nbytes: int, compress_s: float = 0.0) -> MethodCost:
+    return MethodCost(method, (BucketCost(1.0, compress_s, (Collective(kind, nbytes),)),))
+
+
+# -- alpha-beta -----------------------------------------------------------------------------
+
+
+def test_allreduce_and_allgather_times_by_hand() -> None:
+    link = bare(MBYTE_PER_S, 0.001)
+    # ring all-reduce, 4 ranks, 1 MB: 2*3 latency steps + 2*3/4 * 1 s
+    assert collective_time(ALLREDUCE, 1e6, 4, link) == pytest.approx(0.006 + 1.5)
+    # ring all-gather, 4 ranks, 1 MB each: 3 latency steps + 3 * 1 s
+    assert collective_time(ALLGATHER, 1e6, 4, link) == pytest.approx(0.003 + 3.0)
+    assert collective_time(ALLREDUCE, 1e6, 1, link) == 0.0  # one rank sends nothing
+    assert collective_time(ALLGATHER, 0, 8, link) == 0.0
+
+
+def test_header_overhead_is_explicit() -> None:
+    link = Link(MBYTE_PER_S, 0.0)  # 1500-byte packets with 52 bytes of TCP/IPv4 headers
+    assert link.overhead == pytest.approx(1500 / 1448)
+    assert collective_time(ALLREDUCE, 1e6, 2, link) == pytest.approx(1500 / 1448)
+
+
+def test_allgather_grows_with_workers_allreduce_bandwidth_term_does_not() -> None:
+    link = bare(MBYTE_PER_S)
+    reduce = [collective_time(ALLREDUCE, 1e6, n, link) for n in (2, 4, 16, 100)]
+    gather = [collective_time(ALLGATHER, 1e6, n, link) for n in (2, 4, 16, 100)]
+    assert reduce == pytest.approx([1.0, 1.5, 1.875, 1.98])
+    assert all(t < 2.0 for t in reduce)  # bounded by 2 * bytes / B
+    assert gather == pytest.approx([1.0, 3.0, 15.0, 99.0])  # linear in N
+
+
+def test_bad_numbers_are_named() -> None:
+    with pytest.raises(ValueError, match="bandwidth must be > 0 bits/s, got -5"):
+        Link(-5)
+    with pytest.raises(ValueError, match="latency must be >= 0 s"):
+        Link(1e6, -0.1)
+    with pytest.raises(ValueError, match=r"world size .* >= 1, got 0"):
+        collective_time(ALLREDUCE, 10, 0, bare(1e6))
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        collective_time("broadcast", 10, 2, bare(1e6))
+    with pytest.raises(ValueError, match=r"ready fraction must be in \[0, 1\], got 1\.5"):
+        BucketCost(1.5, 0.0, ())
+
+
+# -- the step timeline ----------------------------------------------------------------------
+
+
+def test_timeline_overlaps_network_with_backward_by_hand() -> None:
+    compute = ComputeTime(forward_s=1.0, backward_s=2.0, optimizer_s=0.5)
+    link = bare(MBYTE_PER_S)  # all-reduce over 2 ranks: 1e6 bytes take 1 s
+    cost = MethodCost(
+        "x",
+        (
+            BucketCost(0.5, 0.0, (Collective(ALLREDUCE, 1_000_000),)),  # ready at t=2
+            BucketCost(1.0, 0.0, (Collective(ALLREDUCE, 500_000),)),  # ready at t=3
+        ),
+    )
+    # bucket 1: 2 -> 3; bucket 2: 3 -> 3.5; optimizer after: 4.0
+    assert step_time(compute, cost, link, 2) == pytest.approx(4.0)
+    # no overlap: both start after the backward pass: 3 -> 4 -> 4.5, + 0.5
+    assert step_time(compute, cost, link, 2, overlap=False) == pytest.approx(5.0)
+    # compression never hides: 0.25 s on bucket 1 delays the backward pass and its send
+    slow = MethodCost("y", (BucketCost(0.5, 0.25, cost.buckets[0].collectives), cost.buckets[1]))
+    assert step_time(compute, slow, link, 2) == pytest.approx(4.25)
+    prediction = predict_step(compute, slow, link, 2)
+    assert prediction.compute_s == pytest.approx(3.5)
+    assert prediction.comm_s == pytest.approx(1.5)
+    assert prediction.efficiency == pytest.approx(3.5 / 4.25)
+    local = predict_step(compute, MethodCost("local"), link, 2)
+    assert local.step_s == pytest.approx(3.5) and local.efficiency == 1.0
+
+
+def test_predicted_step_is_monotone_in_bandwidth() -> None:
+    compute = ComputeTime(0.1, 0.3, 0.05)
+    cost = MethodCost(
+        "m",
+        (
+            BucketCost(0.3, 0.01, (Collective(ALLGATHER, 40_000), Collective(ALLREDUCE, 9000))),
+            BucketCost(1.0, 0.02, (Collective(ALLREDUCE, 2_000_000),)),
+        ),
+    )
+    steps = [step_time(compute, cost, Link(b, 0.001), 4) for b in [1e5 * 1.5**i for i in range(40)]]
+    assert all(a >= b for a, b in itertools.pairwise(steps))
+    assert steps[0] > steps[-1] >= compute.total + cost.compress_s
+
+
+def test_break_even_bandwidth_by_hand() -> None:
+    compute = ComputeTime(0.0, 0.0, 0.0)
+    dense = one_bucket("dense", ALLREDUCE, 1_000_000)
+    squeezed = one_bucket("squeezed", ALLREDUCE, 1_000, compress_s=1.0)
+    # 2 ranks: dense takes 8e6/B s, squeezed 1 + 8e3/B s; equal at B = 7.992e6 bit/s
+    verdict = break_even_bandwidth(compute, squeezed, dense, 0.0, 2, link=bare(1.0))
+    assert verdict.verdict == "below"
+    assert verdict.bandwidth_bps == pytest.approx(7.992e6, rel=2e-3)
+    assert verdict.describe() == "< 7.99 Mbit/s"
+    # slower to compress than to send, and no fewer bytes: never pays off
+    costly = one_bucket("costly", ALLREDUCE, 1_000_000, compress_s=1.0)
+    assert break_even_bandwidth(compute, costly, dense, 0.0, 2).verdict == "never"
+    # free compression, fewer bytes: faster at every bandwidth searched
+    free = one_bucket("free", ALLREDUCE, 1_000)
+    assert break_even_bandwidth(compute, free, dense, 0.001, 2).verdict == "always"
+
+
+# -- profiling ------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(256, 512)
+        self.second = nn.Linear(512, 512)
+        self.last = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.second(torch.relu(self.first(x)))))
+
+
+def named(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def test_ddp_buckets_fill_in_ready_order_with_a_small_first_bucket() -> None:
+    params = named(Net())  # 0.13 M + 0.26 M + 5 k weights
+    buckets = ddp_buckets(params)
+    # reverse order: last.bias, last.weight, second.bias, second.weight (>= 1 MiB: closes)
+    assert buckets == [
+        ["last.bias", "last.weight", "second.bias", "second.weight"],
+        ["first.bias", "first.weight"],
+    ]
+    assert ddp_buckets(params, bucket_cap_mb=0.5, first_bucket_mb=1e-5)[0] == ["last.bias"]
+    with pytest.raises(ValueError, match="order must name each of the 6 parameters"):
+        ddp_buckets(params, ["last.bias"])
+
+
+def test_measure_compute_times_phases_and_gradient_readiness() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    batch = (torch.randn(16, 256), torch.randint(0, 10, (16,)))
+    profile = measure_compute(model, batch, nn.functional.cross_entropy, repeats=3, warmup=1)
+    assert profile.time.forward_s > 0 and profile.time.backward_s > 0
+    assert set(profile.ready) == {n for n, _ in named(model)}
+    assert all(0.0 <= r <= 1.0 for r in profile.ready.values())
+    assert profile.ready["last.weight"] <= profile.ready["first.weight"]
+    assert profile.order.index("last.weight") < profile.order.index("first.weight")
+
+
+def engine_bytes(compressor: thinwire.Compressor, params, world: int, step: int) -> int:
+    """What thinwire's engine would contribute per step, tensor by tensor via run_locally."""
+    total = 0
+    for name, p in params:
+        grad = torch.randn(p.shape)
+        chosen = compressor if compressor.compresses(grad) else NoCompression()
+        wire: list[int] = []
+        run_locally(chosen.exchange(grad, Slot(name, step, world)), wire_bytes=wire)
+        total += sum(wire)
+    return total
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("dgc", {"density": 0.01, "warmup_steps": 5}),
+        ("topk", {"density": 0.05}),
+        ("onebit", {}),
+        ("powersgd", {"rank": 2}),
+        ("fp16", {}),
+        ("none", {}),
+    ],
+)
+def test_thinwire_traffic_matches_the_engine(method: str, options: dict) -> None:
+    params = named(Net())
+    cost = measure_method(method, params, world_size=4, options=options, repeats=1)
+    steady = options.get("warmup_steps", 0)  # past DGC's warm-up
+    expected = engine_bytes(thinwire.compressor(method, **options), params, 4, steady)
+    gathers = sum(c.kind == ALLGATHER for b in cost.buckets for c in b.collectives)
+    assert cost.payload_bytes == expected + gathers  # + one status byte per all-gather
+    assert len(cost.buckets) == 2
+    assert cost.dense_bytes == sum(p.numel() * 4 for _, p in params)
+    kinds = {c.kind for b in cost.buckets for c in b.collectives}
+    summable = thinwire.compressor(method).aggregation is thinwire.compress.Aggregation.SUM
+    assert kinds == ({ALLREDUCE} if summable else {ALLGATHER})
+    rounds = 2 if method == "powersgd" else 1
+    if method != "fp16":  # fp16 payloads and fp32 biases: two dtypes, two all-reduces
+        assert all(len(b.collectives) == rounds for b in cost.buckets)
+
+
+def test_dgc_compresses_large_matrices_about_500x() -> None:
+    params = [("w", torch.zeros(1000, 1000))]
+    cost = measure_method("dgc", params, world_size=4, options={"density": 0.001}, repeats=1)
+    # k = 1000 values + int32 indices = 8000 bytes, + the status byte of the all-gather
+    assert cost.payload_bytes == 8001
+    assert cost.compression_ratio == pytest.approx(500, rel=0.01)
+    assert cost.compress_s > 0
+
+
+def test_pytorch_hook_traffic() -> None:
+    params = named(Net())
+    dense = measure_method("dense", params, world_size=4, repeats=1)
+    assert [len(b.collectives) for b in dense.buckets] == [1, 1]
+    assert dense.payload_bytes == dense.dense_bytes and dense.compress_s == 0
+    half = measure_method("ddp-fp16", params, world_size=4, repeats=1)
+    assert half.payload_bytes * 2 == dense.dense_bytes
+    low = measure_method("ddp-powersgd", params, world_size=4, options={"rank": 2}, repeats=1)
+    # bucket 1: biases 10 + 512 dense; P: (10 + 512) * 2; Q: (512 + 512) * 2
+    # (last.weight 10x512 compresses: (10 + 512) * 2 * 2 < 5120)
+    assert [c.nbytes for c in low.buckets[0].collectives] == [4 * 522, 4 * 1044, 4 * 2048]
+    # bucket 2: first.bias dense, first.weight 512x256 -> P 512x2, Q 256x2
+    assert [c.nbytes for c in low.buckets[1].collectives] == [4 * 512, 4 * 1024, 4 * 512]
+    assert measure_method("local", params, world_size=4).buckets == ()
+
+
+def test_method_table() -> None:
+    assert method_kind("local") is Kind.LOCAL
+    assert method_kind("dense") is Kind.DDP
+    assert method_kind("ddp-powersgd") is Kind.DDP_POWERSGD
+    assert method_kind("dgc") is Kind.THINWIRE
+    with pytest.raises(ValueError, match="unknown method 'zip'; choose one of: local, dense"):
+        method_kind("zip")
+    assert method_options("ddp-powersgd", {"rank": 4})["matrix_approximation_rank"] == 4
+    with pytest.raises(ValueError, match="method 'dense' has no option"):
+        method_options("dense", {"rank": 4})
+    with pytest.raises(ValueError, match="density"):
+        method_options("dgc", {"density": 2.0})
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def test_plan_command_on_digits(tmp_path, capsys) -> None:
+    try:
+        from thinwire.tasks import task  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"thinwire.tasks.task is not importable yet: {error}")
+    out = tmp_path / "plan.json"
+    argv = [
+        "plan",
+        "--task",
+        "digits",
+        "--workers",
+        "4",
+        "--bandwidth",
+        "10mbit",
+        "--latency",
+        "1ms",
+        "--methods",
+        "local,dense,dgc",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for text in ("thinwire plan: digits, 4 workers, 10 Mbit/s", "dense", "dgc", "beats dense"):
+        assert text in printed
+    data = json.loads(out.read_text())
+    rows = {m["method"]: m for m in data["methods"]}
+    assert set(rows) == {"local", "dense", "dgc"}
+    assert rows["local"]["efficiency"] == 1.0 and rows["local"]["compression_ratio"] is None
+    assert rows["dgc"]["step_s"] < rows["dense"]["step_s"]
+    assert rows["dgc"]["payload_bytes"] < rows["dense"]["payload_bytes"] / 50
+    assert math.isclose(data["bandwidth_bps"], 10e6)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "0", "--bandwidth", "10mbit"], "--workers must be an integer >= 1, got 0"),
+        (["--workers", "4", "--bandwidth", "fast"], "bandwidth 'fast' is not understood"),
+        (["--workers", "4", "--bandwidth", "unlimited"], "--bandwidth must be a finite rate"),
+        (["--workers", "4", "--bandwidth", "1gbit", "--latency", "soon"], "latency 'soon'"),
+        (["--workers", "4", "--bandwidth", "1gbit", "--methods", "zip"], "unknown method 'zip'"),
+        (["--workers", "4", "--bandwidth", "1gbit", "--options", "{"], "--options is not valid"),
+    ],
+)
+def test_plan_command_rejects_bad_input(flags: list[str], message: str, capsys) -> None:
+    assert main(["plan", "--task", "digits", *flags]) == 2
+    assert message in capsys.readouterr().err
