@@ -30,6 +30,7 @@ from thinwire.plan import (
     method_kind,
     method_options,
     predict_step,
+    profile_model,
     step_time,
 )
 from thinwire.plan.methods import Kind
@@ -40,8 +41,8 @@ MBYTE_PER_S = 8e6  # bits per second that move 1e6 bytes per second
 
 
 def bare(bandwidth_bps: float, latency_s: float = 0.0) -> Link:
-    """A link without header overhead, for hand-computed cases."""
-    return Link(bandwidth_bps, latency_s, header_bytes=0)
+    """The textbook link (alpha = one-way latency, no headers), for hand-computed cases."""
+    return Link(bandwidth_bps, latency_s, header_bytes=0, step_delays=1, store_and_forward=False)
 
 
 def one_bucket(method: str, kind: str, nbytes: int, compress_s: float = 0.0) -> MethodCost:
@@ -61,10 +62,13 @@ def test_allreduce_and_allgather_times_by_hand() -> None:
     assert collective_time(ALLGATHER, 0, 8, link) == 0.0
 
 
-def test_header_overhead_is_explicit() -> None:
-    link = Link(MBYTE_PER_S, 0.0)  # 1500-byte packets with 52 bytes of TCP/IPv4 headers
+def test_default_link_counts_headers_handshake_and_switch() -> None:
+    link = Link(MBYTE_PER_S, 0.001)  # 1500-byte packets with 52 bytes of TCP/IPv4 headers
     assert link.overhead == pytest.approx(1500 / 1448)
-    assert collective_time(ALLREDUCE, 1e6, 2, link) == pytest.approx(1500 / 1448)
+    # gloo's ready handshake (2 one-way latencies) + the switch holding one 1500-byte packet
+    assert link.step_latency_s == pytest.approx(2 * 0.001 + 1500 / 1e6)
+    assert collective_time(ALLREDUCE, 1e6, 2, link) == pytest.approx(2 * 0.0035 + 1500 / 1448)
+    assert collective_time(ALLGATHER, 1e6, 4, link) == pytest.approx(3 * 0.0035 + 3 * 1500 / 1448)
 
 
 def test_allgather_grows_with_workers_allreduce_bandwidth_term_does_not() -> None:
@@ -238,6 +242,29 @@ def test_dgc_compresses_large_matrices_about_500x() -> None:
     assert cost.payload_bytes == 8001
     assert cost.compression_ratio == pytest.approx(500, rel=0.01)
     assert cost.compress_s > 0
+
+
+def test_profile_predicts_with_a_measured_compute_time() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    batch = (torch.randn(16, 256), torch.randint(0, 10, (16,)))
+    methods = {"local": {}, "dense": {}, "dgc": {"density": 0.01}}
+    profile = profile_model(
+        model, batch, nn.functional.cross_entropy, methods, world_size=4, repeats=2
+    )
+    link = Link(10e6, 0.001)
+    dense = profile.predict("dense", link)
+    assert dense.comm_s == pytest.approx(profile.costs["dense"].comm_time(4, link))
+    assert profile.predict("local", link).efficiency == 1.0
+    # a measured compute 3x the profiled one: compression slows down by 3x too
+    slow = profile.compute.time.scaled(3.0)
+    dgc = profile.predict("dgc", link, compute=slow)
+    assert dgc.compute_s == pytest.approx(slow.total)
+    assert dgc.compress_s == pytest.approx(3 * profile.costs["dgc"].compress_s)
+    as_total = profile.predict("dgc", link, compute=slow.total)  # a measured step time
+    assert as_total.step_s == pytest.approx(dgc.step_s)
+    with pytest.raises(ValueError, match="method 'topk' was not profiled"):
+        profile.predict("topk", link)
 
 
 def test_pytorch_hook_traffic() -> None:

@@ -1,9 +1,10 @@
 """Network analysis: what a data-parallel step costs on a given network, per method.
 
-    from thinwire.plan import Link, predict_step, profile_task
+    from thinwire.plan import Link, profile_task
     profile = profile_task(task, {"dense": {}, "dgc": {"density": 0.001}}, world_size=4)
-    link = Link(bandwidth_bps=100e6, latency_s=1e-3)
-    predict_step(profile.compute.time, profile.costs["dgc"], link, 4).step_s
+    link = Link(bandwidth_bps=100e6, latency_s=1e-3)       # mtu=cluster.mtu if emulated
+    profile.predict("dgc", link).step_s                     # this process's compute
+    profile.predict("dgc", link, compute=local_step_s)      # calibrated to a measured one
 
 :mod:`thinwire.plan.cost` is the pure alpha-beta model (numbers in, numbers out);
 :mod:`thinwire.plan.profile` measures compute, traffic and compression time in this

@@ -17,6 +17,7 @@ No ``torch.distributed`` process group is needed: exchange protocols are answere
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,7 +35,10 @@ from thinwire.plan.cost import (
     BucketCost,
     Collective,
     ComputeTime,
+    Link,
     MethodCost,
+    StepPrediction,
+    predict_step,
 )
 from thinwire.plan.methods import Kind, method_kind, method_options
 
@@ -415,6 +419,36 @@ class Profile:
     compute: ComputeProfile
     costs: dict[str, MethodCost]
     world_size: int
+
+    def predict(
+        self,
+        method: str,
+        link: Link,
+        *,
+        compute: ComputeTime | float | None = None,
+        overlap: bool = True,
+    ) -> StepPrediction:
+        """Predict ``method``'s step on ``link`` for :attr:`world_size` workers.
+
+        ``compute``: one worker's compute measured on the real cluster, as phases
+        (:class:`ComputeTime`) or as the compute-only step time in seconds (the ``local``
+        run's median step; the profiled phases are scaled to it). It replaces the profiled
+        compute and scales the profiled compression times by the same factor (workers that
+        share CPUs are slower at both). Default: this process's profile as it is.
+        """
+        if method not in self.costs:
+            raise ValueError(f"method {method!r} was not profiled; profiled: {list(self.costs)}")
+        cost = self.costs[method]
+        profiled = self.compute.time
+        if isinstance(compute, (int, float)):
+            if not (compute > 0 and math.isfinite(compute)):
+                raise ValueError(f"compute step time must be > 0 s, got {compute!r}")
+            compute = profiled.scaled(compute / profiled.total)
+        if compute is not None:
+            if profiled.total > 0 and compute.total > 0:
+                cost = cost.scaled(compute.total / profiled.total)
+            profiled = compute
+        return predict_step(profiled, cost, link, self.world_size, overlap=overlap)
 
 
 def profile_model(
