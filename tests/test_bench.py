@@ -96,6 +96,7 @@ def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
     # the kernel's counters include TCP/IP headers and acknowledgements, nothing else
     assert ring <= records["dense"]["bytes_sent_per_step"] < 1.25 * ring
     assert records["local"]["bytes_sent_per_step"] < 0.01 * ring
+    assert records["dense"]["allreduce_bandwidth_bps"] > 0  # the link was probed
     assert not any(name for name in list_namespaces())  # the cluster went away
     assert (tmp_path / "results.json").exists()
 

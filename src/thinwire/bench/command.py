@@ -23,17 +23,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="local,dense,ddp-fp16,ddp-powersgd,fp16,dgc,powersgd,onebit,terngrad",
         help="comma-separated: local, dense, ddp-fp16, ddp-powersgd, or thinwire compressors",
     )
-    parser.add_argument("--options", default="", help='JSON per method: \'{"dgc": {...}}\'')
-    parser.add_argument("--task-options", default="", help='JSON, e.g. \'{"batch_size": 64}\'')
+    parser.add_argument("--options", default="", help="JSON per method: '{\"dgc\": {...}}'")
+    parser.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
     parser.add_argument("--steps", type=int, default=20, help="training steps per method")
-    parser.add_argument("--measure-from", type=int, default=None,
-                        help="first step in the timings (default: after warm-up)")
+    parser.add_argument(
+        "--measure-from",
+        type=int,
+        default=None,
+        help="first step in the timings (default: after warm-up)",
+    )
     parser.add_argument("--lr", type=float, default=None, help="learning rate (per-task default)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--network", choices=["emulated", "loopback"], default="emulated",
-                        help="emulated cluster (root) or plain loopback (no limits)")
+    parser.add_argument(
+        "--network",
+        choices=["emulated", "loopback"],
+        default="emulated",
+        help="emulated cluster (root) or plain loopback (no limits)",
+    )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
     parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
 

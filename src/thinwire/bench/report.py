@@ -20,15 +20,24 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
     """One row per method: step time, efficiency, bytes, ratio, loss, metric."""
     table = Table(title=title or _title(records))
     metric = next((r["eval_metric"] for r in records if r.get("eval_metric")), "eval")
-    for column in ("method", "step s", "x dense", "scaling", "MB sent", "ratio", "loss",
-                   metric, "predicted s"):
+    for column in (
+        "method",
+        "step s",
+        "x dense",
+        "scaling",
+        "MB sent",
+        "ratio",
+        "loss",
+        metric,
+        "predicted s",
+    ):
         table.add_column(column, justify="left" if column == "method" else "right")
     for r in records:
         table.add_row(
             r["method"],
             f"{r['step_s_median']:.3f}",
-            _fmt(r.get("throughput_vs_dense"), ".2f") + ("x" if r.get("throughput_vs_dense")
-                                                         else ""),
+            _fmt(r.get("throughput_vs_dense"), ".2f")
+            + ("x" if r.get("throughput_vs_dense") else ""),
             _fmt(r.get("scaling_efficiency"), ".2f"),
             f"{r['bytes_sent_per_step'] / 1e6:.3f}",
             _fmt(r.get("compression_ratio"), ".1f"),
@@ -43,10 +52,15 @@ def _title(records: list[dict[str, Any]]) -> str:
     if not records:
         return "thinwire bench"
     r = records[0]
-    where = (f"{r['bandwidth']}, {r['latency']} latency" if r.get("network") == "emulated"
-             else "loopback")
-    return (f"thinwire bench: {r['task']}, {r['workers']} workers, {where}, {r['steps']} steps "
-            f"(timings from step {r['measured_from_step']})")
+    where = (
+        f"{r['bandwidth']}, {r['latency']} latency"
+        if r.get("network") == "emulated"
+        else "loopback"
+    )
+    return (
+        f"thinwire bench: {r['task']}, {r['workers']} workers, {where}, {r['steps']} steps "
+        f"(timings from step {r['measured_from_step']})"
+    )
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> Path:

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
-from thinwire.bench.worker import BenchJob, read_progress, train_method
+from thinwire.bench.worker import BenchJob, probe_allreduce, read_progress, train_method
 from thinwire.cluster import EmulatedCluster, check_can_emulate
 from thinwire.launch import LocalPool, Placement
 
@@ -66,28 +66,44 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
     """Run every method of ``config``, write ``out/results.json`` and return the records."""
     console = console or Console()
     if config.steps < 2:
-        raise ValueError(f"--steps must be >= 2 (one to warm up, one to measure), got "
-                         f"{config.steps}")
+        raise ValueError(
+            f"--steps must be >= 2 (one to warm up, one to measure), got {config.steps}"
+        )
     if config.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {config.workers}")
     out.mkdir(parents=True, exist_ok=True)
     records = []
-    with _network(config, console) as (placement, interface, describe), \
-            tempfile.TemporaryDirectory() as scratch:
+    with (
+        _network(config, console) as (placement, interface, describe),
+        tempfile.TemporaryDirectory() as scratch,
+    ):
         progress_file = str(Path(scratch) / "progress")
         with LocalPool(config.workers, collective_timeout_s=600, placement=placement) as pool:
             pool.run(_ready, timeout=300)
-            with Progress(TextColumn("{task.description}"), BarColumn(),
-                          TextColumn("{task.completed}/{task.total} steps {task.fields[loss]}"),
-                          TimeElapsedColumn(), console=console) as bar:
+            if placement is not None and config.workers > 1:
+                describe.update(_measure_link(pool, config, console))
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} steps {task.fields[loss]}"),
+                TimeElapsedColumn(),
+                console=console,
+            ) as bar:
                 for method in config.methods:
                     shown = bar.add_task(f"{method.name:>13}", total=config.steps, loss="")
                     job = BenchJob(
-                        task=config.task, method=method, steps=config.steps, lr=config.lr,
-                        task_options=config.task_options, momentum=config.momentum,
-                        weight_decay=config.weight_decay, seed=config.seed,
-                        measure_from=config.first_measured_step(), interface=interface,
-                        progress=progress_file, evaluate=config.evaluate,
+                        task=config.task,
+                        method=method,
+                        steps=config.steps,
+                        lr=config.lr,
+                        task_options=config.task_options,
+                        momentum=config.momentum,
+                        weight_decay=config.weight_decay,
+                        seed=config.seed,
+                        measure_from=config.first_measured_step(),
+                        interface=interface,
+                        progress=progress_file,
+                        evaluate=config.evaluate,
                     )
                     Path(progress_file).unlink(missing_ok=True)
 
@@ -97,11 +113,13 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                             bar.update(shown, completed=seen[0], loss=f"loss {seen[1]:.3f}")
 
                     began = time.perf_counter()
-                    ranks = pool.run(train_method, job, timeout=config.timeout_s,
-                                     while_waiting=update)
+                    ranks = pool.run(
+                        train_method, job, timeout=config.timeout_s, while_waiting=update
+                    )
                     wall = time.perf_counter() - began
-                    bar.update(shown, completed=config.steps,
-                               loss=f"loss {ranks[0]['losses'][-1]:.3f}")
+                    bar.update(
+                        shown, completed=config.steps, loss=f"loss {ranks[0]['losses'][-1]:.3f}"
+                    )
                     records.append(_record(config, method, ranks, wall, describe))
     _add_ratios(records)
     (out / "results.json").write_text(json.dumps(records, indent=2))
@@ -112,9 +130,31 @@ def _ready(rank: int, world_size: int) -> int:
     return rank
 
 
+def _measure_link(pool: LocalPool, config: BenchConfig, console: Console) -> dict[str, Any]:
+    """Time one dense all-reduce of the model's size: the bandwidth the ring delivers."""
+    from thinwire.tasks import task as build_task
+
+    model = build_task(config.task, **config.task_options).build_model()
+    numel = sum(p.numel() for p in model.parameters())
+    with console.status(f"measuring the links: one all-reduce of {numel * 4 / 1e6:.1f} MB"):
+        seconds = max(pool.run(probe_allreduce, numel, timeout=config.timeout_s))
+    wire = 2 * (config.workers - 1) / config.workers * numel * 4
+    measured = wire * 8 / seconds
+    console.print(
+        f"all-reduce of {numel * 4 / 1e6:.1f} MB: {seconds:.2f} s, "
+        f"{measured / 1e6:.1f} Mbit/s per link delivered"
+    )
+    return {
+        "allreduce_probe_bytes": numel * 4,
+        "allreduce_probe_s": seconds,
+        "allreduce_bandwidth_bps": measured,
+    }
+
+
 @contextlib.contextmanager
-def _network(config: BenchConfig, console: Console
-             ) -> Iterator[tuple[Placement | None, str, dict[str, Any]]]:
+def _network(
+    config: BenchConfig, console: Console
+) -> Iterator[tuple[Placement | None, str, dict[str, Any]]]:
     if config.network == "loopback":
         yield None, "lo", {"network": "loopback", "bandwidth": None, "latency": None}
         return
@@ -124,16 +164,26 @@ def _network(config: BenchConfig, console: Console
     if reason:
         raise RuntimeError(f"{reason}")
     with EmulatedCluster(config.workers, config.bandwidth, config.latency) as cluster:
-        console.print(f"emulated cluster: {config.workers} hosts, {config.bandwidth} links, "
-                      f"{config.latency} one-way latency (MTU {cluster.mtu})")
-        yield Placement.on(cluster), cluster.hosts[0].interface, {
-            "network": "emulated", "bandwidth": config.bandwidth, "latency": config.latency,
-            "bandwidth_bps": cluster.rate_bps, "latency_s": cluster.latency_s,
-        }
+        console.print(
+            f"emulated cluster: {config.workers} hosts, {config.bandwidth} links, "
+            f"{config.latency} one-way latency (MTU {cluster.mtu})"
+        )
+        yield (
+            Placement.on(cluster),
+            cluster.hosts[0].interface,
+            {
+                "network": "emulated",
+                "bandwidth": config.bandwidth,
+                "latency": config.latency,
+                "bandwidth_bps": cluster.rate_bps,
+                "latency_s": cluster.latency_s,
+            },
+        )
 
 
-def _record(config: BenchConfig, method: Method, ranks: list[dict], wall: float,
-            network: dict[str, Any]) -> dict[str, Any]:
+def _record(
+    config: BenchConfig, method: Method, ranks: list[dict], wall: float, network: dict[str, Any]
+) -> dict[str, Any]:
     first = config.first_measured_step()
     lead = ranks[0]
     # a synchronous step ends on every rank together; the slowest rank's clock is the truth

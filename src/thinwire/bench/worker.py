@@ -123,6 +123,18 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     return result
 
 
+def probe_allreduce(rank: int, world_size: int, numel: int) -> float:
+    """Seconds one fp32 all-reduce of ``numel`` elements takes (slowest rank's view is
+    taken by the caller): the network's delivered bandwidth with the model's volume."""
+    warm = torch.ones(1024)
+    dist.all_reduce(warm)
+    payload = torch.ones(numel)
+    dist.barrier()
+    began = time.perf_counter()
+    dist.all_reduce(payload)
+    return time.perf_counter() - began
+
+
 def _engine_summary(history: list[Any]) -> dict[str, float] | None:
     if not history:
         return None
