@@ -22,12 +22,14 @@ import thinwire
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor, Exchange, Exchanged
 from thinwire.compress.bf16 import BF16
+from thinwire.compress.bits import CHUNK, OutputBuffers, decode, pack, packed_size, unpack
 from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.fp16 import FP16
 from thinwire.compress.onebit import OneBit
 from thinwire.compress.qsgd import QSGD
 from thinwire.compress.signsgd import SignSGD
-from thinwire.compress.terngrad import TernGrad
+from thinwire.compress.stochastic import RankStream
+from thinwire.compress.terngrad import TernGrad, ternary_codes
 
 SLOT = Slot("w", 0, 1)
 ALL = [FP16, BF16, OneBit, SignSGD, TernGrad, QSGD]
@@ -438,6 +440,48 @@ def test_terngrad_average_over_steps_converges_to_the_clipped_tensor() -> None:
     assert bool(((average_decodes(TernGrad(), x, DRAWS) - c).abs() <= tolerance).all())
 
 
+class EveryNoise(RankStream):
+    """A stream whose 16-bit lanes count 0, 1, ..., 65535 over and over: every value of the
+    noise v equally often in each run of 65536 entries (chunks start at multiples of it)."""
+
+    def words_(self, out: Tensor, slot: Slot) -> Tensor:
+        lanes = torch.arange(out.numel() * 4, dtype=torch.int32) % 65536
+        out.view(torch.int16).copy_(lanes.to(torch.int16))
+        return out
+
+
+def test_terngrad_rounds_with_the_exact_probability_to_within_2_to_the_minus_16() -> None:
+    # Each c/s repeated over all 65536 noise values gives the exact chance of t = sign(c).
+    ratios = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.5, -0.25, 1e-6, -3e-5, 2**-16, 0.999999])
+    ratios = torch.cat([ratios, torch.rand(22, generator=torch.Generator().manual_seed(3)) * 2 - 1])
+    codes = ternary_codes(ratios.repeat_interleave(65536), None, 1.0, EveryNoise(0, "t"), SLOT)
+    t = unpack(codes, 2, ratios.numel() * 65536).view(-1, 65536).long() - 1
+    assert bool(((t == 0) | (t == ratios.sign().long().view(-1, 1))).all())  # never the wrong sign
+    chance = t.double().mean(1)
+    assert bool(((chance - ratios.double()).abs() <= 2**-16).all()), chance - ratios
+    assert bool((t[:2] == 0).all()) and bool((t[2] == 1).all()) and bool((t[3] == -1).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=small_tensors, seed=st.integers(0, 2**31), clip=st.booleans())
+def test_terngrad_codes_are_the_rounded_sum_computed_exactly(
+    x: Tensor, seed: int, clip: bool
+) -> None:
+    # Replay the stream: t = round(c / s + v) in fp64, v = (odd 16-bit word) / 2**16.
+    bound = 2.5 * float(x.square().mean().sqrt()) if clip else None
+    c = x.double().clamp(-bound, bound) if bound is not None else x.double()
+    s = float(c.abs().max())
+    codes = ternary_codes(x, bound, s, RankStream(seed, "t"), SLOT)
+    words = RankStream(seed, "t").words_(torch.empty(-(-x.numel() // 4), dtype=torch.int64), SLOT)
+    v = (words | 0x0001_0001_0001_0001).view(torch.int16)[: x.numel()].double() / 2**16
+    exact = c / s + v if s > 0 else v
+    t = unpack(codes, 2, x.numel()).double() - 1
+    # fp32 arithmetic may round the other way only within a hair of a half-integer
+    near_tie = ((exact.abs() - 0.5).abs() < 1e-5) & (c != 0)
+    assert torch.equal(t[~near_tie], torch.round(exact)[~near_tie])
+    assert bool(((t - exact).abs() <= 0.5 + 1e-5).all())
+
+
 # -- QSGD -----------------------------------------------------------------------------------
 
 
@@ -545,6 +589,12 @@ def draw(compressor: Compressor, x: Tensor, step: int, rank: int = 0, world: int
         return stop.value.local
 
 
+def test_random_words_have_every_bit_a_fair_coin() -> None:
+    words = RankStream(0, "t").words_(torch.empty(20_000, dtype=torch.int64), SLOT)
+    bits = (words.view(-1, 1) >> torch.arange(64)) & 1
+    assert bool(((bits.double().mean(0) - 0.5).abs() < 0.02).all())  # 0.5 ± 5.6 sigma
+
+
 @pytest.mark.parametrize("cls", STOCHASTIC, ids=lambda cls: cls.name)
 def test_state_dict_makes_a_resumed_run_draw_the_same(cls: Callable[..., Compressor]) -> None:
     x = randn(300)
@@ -597,3 +647,108 @@ def test_a_stream_refuses_to_draw_for_another_rank(cls: Callable[..., Compressor
     elsewhere.load_state_dict(compressor.state_dict())  # rank 0's checkpoint on rank 1
     with pytest.raises(ValueError, match="must load its own checkpoint"):
         draw(elsewhere, randn(10), 1, rank=1, world=2)
+
+
+# -- bit packing and table decoding ---------------------------------------------------------
+
+
+def packed_by_hand(codes: list[int], bits: int) -> list[int]:
+    """``pack`` computed independently: code i at bit ``bits * (i % per_byte)`` of byte
+    ``i // per_byte``."""
+    per_byte = 8 // bits
+    out = [0] * -(-len(codes) // per_byte)
+    for i, code in enumerate(codes):
+        out[i // per_byte] |= code << (bits * (i % per_byte))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    bits=st.sampled_from([1, 2, 4, 8]),
+    count=st.integers(1, 200),
+    seed=st.integers(0, 2**31),
+    dtype=st.sampled_from([torch.int64, torch.uint8, torch.int32]),
+    offset=st.integers(0, 9),
+)
+def test_pack_unpack_and_decode_agree_with_a_byte_by_byte_reference(
+    bits: int, count: int, seed: int, dtype: torch.dtype, offset: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (count,), generator=generator)
+    # codes anywhere in a buffer: at any byte offset, not a multiple of 8 long
+    buffer = torch.zeros(offset + count, dtype=dtype)
+    buffer[offset:] = codes
+    packed = pack(buffer[offset:], bits)
+    assert packed.tolist() == packed_by_hand(codes.tolist(), bits)
+    assert torch.equal(unpack(packed, bits, count), codes.to(torch.uint8))
+    into = torch.full((packed_size(count, bits),), 255, dtype=torch.uint8)
+    assert pack(codes, bits, out=into) is into and torch.equal(into, packed)
+    values = torch.randn(2**bits, generator=generator)
+    out = torch.empty(count)
+    assert torch.equal(decode(packed, bits, values, out), values[codes])
+    start = torch.randn(count, generator=generator)
+    added = decode(packed, bits, values, start.clone(), add=True)
+    assert torch.equal(added, start + values[codes])
+    # a gathered payload can sit at an odd byte of its buffer
+    shifted = torch.zeros(packed.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = packed
+    assert torch.equal(decode(shifted[1:], bits, values, torch.empty(count)), values[codes])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("count", [2 * CHUNK, 2 * CHUNK + 13])
+def test_long_tensors_pack_and_decode_across_chunks(bits: int, count: int) -> None:
+    # 2-bit codes of a million or more decode through the table of byte pairs.
+    generator = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (count,), generator=generator, dtype=torch.uint8)
+    mask_input = codes.bool() if bits == 1 else codes
+    packed = pack(mask_input, bits)
+    assert torch.equal(unpack(packed, bits, count), codes)
+    start = count - 4096 - count % 8  # the last codes, from a byte boundary on
+    assert packed[start * bits // 8 :].tolist() == packed_by_hand(codes[start:].tolist(), bits)
+    values = torch.randn(2**bits, generator=generator)
+    out = torch.empty(count)
+    assert torch.equal(decode(packed, bits, values, out), values[codes.long()])
+    out.fill_(1.0)
+    assert torch.equal(decode(packed, bits, values, out, add=True), 1.0 + values[codes.long()])
+
+
+def test_pack_refuses_an_out_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match="out must be 2 uint8 bytes for 9 codes of 1 bits"):
+        pack(torch.zeros(9, dtype=torch.uint8), 1, out=torch.empty(3, dtype=torch.uint8))
+
+
+# -- output buffers reused between exchanges ------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [OneBit, TernGrad], ids=lambda cls: cls.name)
+def test_outputs_are_reused_only_once_nobody_holds_them(cls: type[Compressor]) -> None:
+    compressor = cls()
+    x, y = randn(64, 64, seed=1), randn(64, 64, seed=2)
+    held = run_locally(compressor.exchange(x, Slot("w", 0, 1)))
+    first_mean, first_local = held.mean.clone(), held.local.clone()
+    reshaped = held.mean.reshape(-1)  # an alias held after the result itself is gone
+    local_ptr = held.local.data_ptr()
+    del held
+    again = run_locally(compressor.exchange(y, Slot("w", 1, 1)))
+    assert torch.equal(reshaped, first_mean.reshape(-1))  # a held mean never changes
+    assert again.mean.data_ptr() != reshaped.data_ptr()
+    assert again.local.data_ptr() == local_ptr  # nobody held the local: it was reused
+    del again, reshaped
+    kept = run_locally(compressor.exchange(x, Slot("w", 2, 1)))
+    if cls is OneBit:  # deterministic: the same input decodes the same
+        assert torch.equal(kept.mean, first_mean) and torch.equal(kept.local, first_local)
+    other_key = run_locally(compressor.exchange(x, Slot("v", 2, 1)))
+    assert other_key.mean.data_ptr() != kept.mean.data_ptr()  # buffers are per key
+    state = compressor.state_dict()
+    assert set(state) <= {"random"}  # buffers are scratch, not checkpoint state
+
+
+def test_output_buffers_follow_shape_dtype_and_device() -> None:
+    buffers = OutputBuffers()
+    first = buffers.take("w", "mean", torch.empty(10))
+    first_ptr = first.data_ptr()
+    del first
+    assert buffers.take("w", "mean", torch.empty(10)).data_ptr() == first_ptr
+    assert buffers.take("w", "mean", torch.empty(12)).shape == (12,)
+    assert buffers.take("w", "mean", torch.empty(12, dtype=torch.float64)).dtype == torch.float64

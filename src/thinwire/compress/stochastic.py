@@ -48,6 +48,16 @@ class RankStream:
             return torch.rand(out.shape, generator=generator, out=out)
         return out.copy_(torch.rand(out.shape, generator=generator, device=generator.device))
 
+    def words_(self, out: Tensor, slot: Slot) -> Tensor:
+        """Fill the int64 tensor ``out`` with random 64-bit words (every bit a fair coin)
+        from ``slot.rank``'s stream; return it."""
+        generator = self._generator_for(slot, out.device)
+        # from the lowest int64 to no bound: all 64 bits (random_() alone keeps the top one 0)
+        if generator.device == out.device:
+            return out.random_(-(2**63), None, generator=generator)
+        drawn = torch.empty(out.shape, dtype=torch.int64, device=generator.device)
+        return out.copy_(drawn.random_(-(2**63), None, generator=generator))
+
     def _generator_for(self, slot: Slot, device: torch.device) -> torch.Generator:
         if self.generator is None:
             self.generator = torch.Generator(device=device)

@@ -2,18 +2,26 @@
 
     c      = clamp(g, ±clip_sigma * σ)             σ = sqrt(mean g²), see below
     s      = max over ranks of max |c|             round 1: a max all-reduce of one number
-    t      = sign(c) * b,  b ~ Bernoulli(|c| / s)  t in {-1, 0, +1}, sent as t + 1 in 2 bits
-    mean   = s * (1/N) * sum over ranks of t_r     round 2: gather the codes
+    t      = round(c / s + v),  v ~ U(-1/2, 1/2)   t in {-1, 0, +1}, sent as t + 1 in 2 bits
+    mean   = (1/N) * sum over ranks of s * t_r     round 2: gather the codes
     local  = s * t
 
-E[s t] = c: unbiased for the clipped tensor, so no error feedback by default. Sharing s
+Rounding ``c / s`` (in [-1, 1]) after adding uniform noise is the paper's
+``sign(c) * b, b ~ Bernoulli(|c| / s)``: t = sign(c) with probability |c| / s, else 0, so
+E[s t] = c: unbiased for the clipped tensor, and no error feedback by default. Sharing s
 makes every rank's ternaries worth the same, and clipping the rare large entries keeps s
 small, so fewer entries round to zero. σ is the spread about zero (the root mean square),
 which equals the paper's standard deviation for the zero-mean gradients it has in mind;
 the deviation about the mean would clip a tensor of nearly equal entries down to almost
-nothing. ``b`` is drawn as ``u * s < |c|`` with u ~ U[0, 1) from the compressor's own
-generator (:mod:`thinwire.compress.stochastic`), which needs no division (s = 0 sends 0).
-Wire: 4 bytes in round 1 + n/4 bytes in round 2, 2.032 bits per value at n = 1000.
+nothing. Wire: 4 bytes in round 1 + n/4 bytes in round 2, 2.032 bits per value at n = 1000.
+
+``v`` comes from the compressor's own generator (:mod:`thinwire.compress.stochastic`),
+15 random bits per entry, four entries per 64-bit draw: v is an odd multiple of 2^-16, so
+P(t = sign c) is |c| / s to within 2^-16, a zero always sends 0 and an entry at ±s always
+sends ±1. The codes are made a cache-sized chunk at a time (:func:`ternary_codes`), and
+every payload is decoded straight into the mean through a table of the values of each pair
+of code bytes (:func:`~thinwire.compress.bits.decode`); ``mean`` and ``local`` are written
+into buffers kept from the tensor's last exchange, so no full-size tensor is allocated.
 """
 
 from __future__ import annotations
@@ -32,9 +40,12 @@ from thinwire.compress.base import (
     Slot,
     check_floating,
 )
-from thinwire.compress.bits import pack, unpack
+from thinwire.compress.bits import CHUNK, OutputBuffers, chunks, decode, pack, packed_size
 from thinwire.compress.registry import register_compressor
 from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed, l2_norm
+
+#: t for each 2-bit code t + 1 (code 3 is never sent)
+TERNARY = (-1.0, 0.0, 1.0, 0.0)
 
 
 @register_compressor
@@ -63,39 +74,79 @@ class TernGrad(StochasticCompressor):
             self.clip_sigma = float(sigma)
         self.seed = check_seed(self.seed)
         self.random = RankStream(self.seed, self.name)
+        self.buffers = OutputBuffers()
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Share the scaler by a max all-reduce, then gather the ternary codes."""
         check_floating(tensor)
         flat = tensor.reshape(-1)
-        local = torch.empty_like(flat)  # holds the clipped tensor, later s * t
-        clipped = self.clip(flat, out=local)
-        (s,) = yield Request.max(peak_magnitude(clipped).reshape(1))
-        threshold = self.random.uniform_(torch.empty_like(flat), slot).mul_(s)  # u * s
-        codes = (clipped > threshold).to(torch.uint8).add_(1)  # +1 -> 2, 0 -> 1
-        codes.sub_((clipped < threshold.neg_()).to(torch.uint8))  # -1 -> 0
-        gathered = yield Request.gather(pack(codes, 2))
-        mean = torch.zeros_like(flat)
-        for (packed,) in gathered:
-            mean.add_(unpack(packed, 2, flat.numel()))  # sum of t_r + 1
-        world = slot.world_size
-        mean.sub_(world).mul_(s.to(flat.dtype) / world)
-        local.copy_(codes).sub_(1).mul_(s.to(flat.dtype))
+        bound = self.bound(flat)
+        (s,) = yield Request.max(peak_magnitude(flat, bound).reshape(1))
+        packed = ternary_codes(flat, bound, float(s), self.random, slot)
+        gathered = yield Request.gather(packed)
+        values = s * torch.tensor(TERNARY, device=s.device)  # s * t for each code
+        mean = self.buffers.take(slot.key, "mean", flat)
+        for rank, (rank_packed,) in enumerate(gathered):
+            decode(rank_packed, 2, values / slot.world_size, out=mean, add=rank > 0)
+        local = decode(packed, 2, values, out=self.buffers.take(slot.key, "local", flat))
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
 
-    def clip(self, flat: Tensor, out: Tensor) -> Tensor:
-        """``flat`` clamped to ``±clip_sigma * sqrt(mean(flat²))`` in ``out``, or ``flat``
-        itself when clipping is off."""
+    def bound(self, flat: Tensor) -> float | None:
+        """The clip bound ``clip_sigma * sqrt(mean(flat²))`` (an fp32 value), or ``None``
+        when clipping is off."""
         if self.clip_sigma is None:
-            return flat
+            return None
         rms = l2_norm(flat) / math.sqrt(max(flat.numel(), 1))
-        bound = rms * self.clip_sigma
-        return torch.clamp(flat, min=-bound, max=bound, out=out)
+        return float(rms * self.clip_sigma)
 
 
-def peak_magnitude(flat: Tensor) -> Tensor:
-    """``max |flat|`` as a 0-d fp32 tensor (0 for an empty tensor), in one pass."""
+def peak_magnitude(flat: Tensor, bound: float | None = None) -> Tensor:
+    """``max |clamp(flat, ±bound)|`` as a 0-d fp32 tensor (0 for an empty tensor), in one
+    pass over ``flat``."""
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=flat.device)
     low, high = torch.aminmax(flat)
-    return torch.maximum(high, low.neg()).float()
+    peak = torch.maximum(high, low.neg()).float()
+    return peak if bound is None else peak.clamp_max(bound)
+
+
+#: fp32 numbers from 2**39 to 2**40 are 2**16 apart, so adding ``ROUNDER`` to 2**16 * x
+#: rounds x to an integer t (for |x| < 3/2) and leaves t + 1 in the lowest byte of the sum
+ROUNDER = 3 * 2.0**38 + 2.0**16
+#: sets the lowest bit of each 16-bit lane of a 64-bit word
+ODD = 0x0001_0001_0001_0001
+
+
+def ternary_codes(
+    flat: Tensor, bound: float | None, s: float, random: RankStream, slot: Slot
+) -> Tensor:
+    """The packed codes ``t + 1`` of ``t = round(clamp(flat, ±bound) / s + v)``.
+
+    Per chunk, in fp32: ``2**16 v`` is a random odd 16-bit integer, the sum
+    ``2**16 c / s + 2**16 v + ROUNDER`` rounds to a multiple of 2**16 (ties go away from
+    zero), and the lowest byte of its bits is the code. The chunk's scratch is reused.
+    """
+    numel = flat.numel()
+    packed = torch.empty(packed_size(numel, 2), dtype=torch.uint8, device=flat.device)
+    scale = 2.0**16 / s if 0 < s < math.inf else 0.0  # s = 0: every c is 0
+    boost = 2.0**64 if scale > 2.0**100 else 1.0  # keeps the fp32 scale finite for tiny s
+    size = min(numel, CHUNK)
+    clipped, rounded = (torch.empty(size, device=flat.device) for _ in range(2))
+    words = torch.empty(-(-size // 4), dtype=torch.int64, device=flat.device)
+    codes = torch.empty(size, dtype=torch.uint8, device=flat.device)
+    for part in chunks(numel):
+        count = part.stop - part.start
+        if bound is not None and flat.dtype == torch.float32:
+            c = torch.clamp(flat[part], -bound, bound, out=clipped[:count])
+        else:
+            c = clipped[:count].copy_(flat[part])  # in fp32
+            if bound is not None:
+                c.clamp_(-bound, bound)
+        if boost != 1.0:
+            c.mul_(boost)
+        noise = random.words_(words[: -(-count // 4)], slot).bitwise_or_(ODD)
+        y = rounded[:count].copy_(noise.view(torch.int16)[:count])  # 2**16 v
+        y.add_(c, alpha=scale / boost).add_(ROUNDER)
+        code = codes[:count].copy_(y.view(torch.int32))  # the lowest byte
+        pack(code, 2, out=packed[part.start // 4 : packed_size(part.stop, 2)])
+    return packed
