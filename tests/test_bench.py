@@ -52,7 +52,7 @@ def test_methods_are_validated_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="not in --methods"):
         parse_methods("dense", {"dgc": {"density": 0.1}})
     methods = {m.name: m for m in parse_methods("powersgd,ddp-powersgd", {"powersgd": {"rank": 3}})}
-    assert methods["ddp-powersgd"].options["rank"] == 3  # the baseline runs at the same rank
+    assert methods["ddp-powersgd"].options["matrix_approximation_rank"] == 3  # the baseline runs at the same rank
 
 
 def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:

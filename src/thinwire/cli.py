@@ -6,6 +6,7 @@ import argparse
 import contextlib
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -68,7 +69,7 @@ def _cluster(args: argparse.Namespace) -> int:
             with contextlib.suppress(ClusterError):
                 console.print(EmulatedCluster.attach(args.tag).describe())
     except (ClusterError, ValueError) as error:
-        console.print(f"[red]error:[/] {error}")
+        console.print(f"[red]error:[/] {escape(str(error))}")
         return 2
     return 0
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 #: learning rates that train each task well with SGD (momentum 0.9) at its default batch
 DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5}
@@ -75,13 +76,13 @@ def run_from_args(args: argparse.Namespace) -> int:
             evaluate=not args.no_eval,
         )
     except (ValueError, json.JSONDecodeError) as error:
-        console.print(f"[red]error:[/] {error}")
+        console.print(f"[red]error:[/] {escape(str(error))}")
         return 2
     out = Path(args.out)
     try:
         records = run_bench(config, out, console)
     except RuntimeError as error:
-        console.print(f"[red]error:[/] {error}")
+        console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
     console.print(results_table(records))
     picture = plot(records, out / "bench.png")

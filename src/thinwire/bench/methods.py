@@ -1,14 +1,9 @@
-"""The methods a benchmark compares, and how each one wraps a model for data parallelism.
+"""How each benchmark method wraps a model for data parallelism.
 
-    local          no gradient exchange at all: each process trains alone (compute-only limit)
-    dense          PyTorch DDP's own fp32 all-reduce
-    ddp-fp16       PyTorch's built-in ``fp16_compress_hook``
-    ddp-powersgd   PyTorch's built-in ``powerSGD_hook`` (at the rank of thinwire's powersgd)
-    <compressor>   a thinwire compressor through the DDP hook: dgc, powersgd, onebit, ...
-
-Options for thinwire compressors come from ``--options``; a few defaults make the methods
-comparable out of the box (DGC at density 0.001 after a warm-up of a tenth of the steps,
-PowerSGD at rank 2, the same rank for both PowerSGD implementations).
+The methods themselves (``local``, ``dense``, ``ddp-fp16``, ``ddp-powersgd`` and every
+thinwire compressor), their defaults and the validation of their options are named once,
+in :mod:`thinwire.plan.methods`, which the cost model shares. Here they become models:
+DDP with PyTorch's own hooks, or DDP with a thinwire compressor registered.
 """
 
 from __future__ import annotations
@@ -22,19 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
-
-BASELINES = {
-    "local": "no exchange: every process trains alone (the compute-only limit)",
-    "dense": "PyTorch DDP's own fp32 all-reduce",
-    "ddp-fp16": "PyTorch's fp16_compress_hook",
-    "ddp-powersgd": "PyTorch's powerSGD_hook at the same rank as thinwire's powersgd",
-}
-
-#: options a method gets unless the user gives them (``warmup_steps`` is filled in per run)
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
-    "dgc": {"density": 0.001},
-    "powersgd": {"rank": 2},
-}
+from thinwire.plan.methods import Kind, method_kind, method_options
 
 #: compressors that apply momentum themselves: their optimizer is plain SGD
 OWN_MOMENTUM = frozenset({"dgc"})
@@ -48,9 +31,9 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def is_thinwire(self) -> bool:
-        """Whether the method is a thinwire compressor (not a PyTorch baseline)."""
-        return self.name not in BASELINES
+    def kind(self) -> Kind:
+        """How the method exchanges gradients (see :mod:`thinwire.plan.methods`)."""
+        return method_kind(self.name)
 
     @property
     def applies_momentum(self) -> bool:
@@ -62,7 +45,11 @@ def parse_methods(
     names: str | list[str], options: dict[str, dict[str, Any]] | None = None, steps: int = 0
 ) -> list[Method]:
     """Methods from a comma-separated list, each with its defaults overridden by
-    ``options[name]``; unknown names and options raise an error listing the choices."""
+    ``options[name]``; unknown names and options raise an error listing the choices.
+
+    DGC warms up for a tenth of ``steps`` unless told otherwise, and PyTorch's PowerSGD
+    hook runs at the rank of thinwire's ``powersgd`` when both are compared.
+    """
     options = options or {}
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
     wanted = [n for n in wanted if n]
@@ -71,24 +58,18 @@ def parse_methods(
     unknown_options = sorted(set(options) - set(wanted))
     if unknown_options:
         raise ValueError(f"--options names methods not in --methods: {unknown_options}")
-    known = {*BASELINES, *thinwire.compressors()}
-    methods = []
-    for name in wanted:
-        if name not in known:
-            raise ValueError(f"unknown method {name!r}; choose from: {', '.join(sorted(known))}")
-        merged = {**DEFAULT_OPTIONS.get(name, {}), **options.get(name, {})}
-        if name == "dgc":
-            merged.setdefault("warmup_steps", steps // 10)
-        if name in BASELINES and name != "ddp-powersgd" and merged:
-            raise ValueError(f"method {name!r} takes no options, got {sorted(merged)}")
-        if name not in BASELINES:
-            thinwire.compressor(name, **merged)  # validates the options now, not on the ranks
-        methods.append(Method(name, merged))
-    powersgd_rank = next((m.options["rank"] for m in methods if m.name == "powersgd"), 2)
-    return [
-        Method(m.name, {"rank": powersgd_rank, **m.options}) if m.name == "ddp-powersgd" else m
-        for m in methods
-    ]
+    given = {name: dict(options.get(name, {})) for name in wanted}
+    if "dgc" in given:
+        given["dgc"].setdefault("warmup_steps", steps // 10)
+    merged = {name: method_options(name, given[name]) for name in wanted}
+    hook = given.get("ddp-powersgd")
+    if (
+        hook is not None
+        and "powersgd" in merged
+        and not {"rank", "matrix_approximation_rank"} & set(hook)
+    ):
+        merged["ddp-powersgd"]["matrix_approximation_rank"] = merged["powersgd"]["rank"]
+    return [Method(name, merged[name]) for name in wanted]
 
 
 def wrap(
@@ -98,21 +79,24 @@ def wrap(
 
     Call on every rank after ``torch.distributed`` is initialised (except for ``local``).
     """
-    if method.name == "local":
+    kind = method.kind
+    if kind is Kind.LOCAL:
         return model, None
-    ddp = DistributedDataParallel(model)
-    if method.name == "dense":
+    if kind is Kind.DDP_POWERSGD:
+        # powerSGD_hook issues its Q all-reduce from a future callback; with several
+        # buckets on gloo the ranks then issue collectives in different orders (a gloo
+        # size-mismatch crash at 10 Mbit/s). One bucket keeps every rank's order the same.
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = DistributedDataParallel(model, bucket_cap_mb=model_mb + 1)
+    else:
+        ddp = DistributedDataParallel(model)
+    if kind is Kind.DDP:
         return ddp, None
-    if method.name == "ddp-fp16":
+    if kind is Kind.DDP_FP16:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return ddp, None
-    if method.name == "ddp-powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=method.options["rank"],
-            start_powerSGD_iter=2,  # its minimum with error feedback: dense for 2 steps
-            min_compression_rate=2,
-        )
+    if kind is Kind.DDP_POWERSGD:
+        state = powerSGD_hook.PowerSGDState(process_group=None, **method.options)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, None
     engine = thinwire.register(ddp, method.name, optimizer=optimizer, **method.options)

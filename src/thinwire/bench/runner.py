@@ -58,7 +58,7 @@ class BenchConfig:
             return min(self.measure_from, self.steps - 1)
         warmups = [m.options.get("warmup_steps", 0) for m in self.methods]
         # PyTorch's powerSGD_hook all-reduces densely for its first 2 steps
-        warmups += [2 for m in self.methods if m.name == "ddp-powersgd"]
+        warmups += [m.options.get("start_powerSGD_iter", 0) for m in self.methods]
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
 
@@ -121,9 +121,20 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         shown, completed=config.steps, loss=f"loss {ranks[0]['losses'][-1]:.3f}"
                     )
                     records.append(_record(config, method, ranks, wall, describe))
+                    _add_ratios(records)
+                    _save(records, out)  # a later failure keeps what was measured
     _add_ratios(records)
-    (out / "results.json").write_text(json.dumps(records, indent=2))
+    if config.network == "emulated" and config.workers > 1:
+        with console.status("cost model: profiling compute and compression in this process"):
+            _add_predictions(config, records)
+    _save(records, out)
     return records
+
+
+def _save(records: list[dict[str, Any]], out: Path) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(records, indent=2))
+    tmp.replace(out / "results.json")
 
 
 def _ready(rank: int, world_size: int) -> int:
@@ -213,6 +224,28 @@ def _record(
         "time_history_s": [max(r["ends_s"][i] for r in ranks) for i in range(config.steps)],
         "config": {k: v for k, v in asdict(config).items() if k != "methods"},
     }
+
+
+def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
+    """Put the cost model's prediction beside each measured record (``predicted``), with
+    compute calibrated to the measured ``local`` step (the same processes' compute)."""
+    from thinwire.cluster import EmulatedCluster
+    from thinwire.plan import Link, profile_task
+    from thinwire.tasks import task as build_task
+
+    task = build_task(config.task, seed=config.seed, **config.task_options)
+    profile = profile_task(
+        task, {m.name: m.options for m in config.methods}, world_size=config.workers
+    )
+    emulated = EmulatedCluster(config.workers, config.bandwidth, config.latency, tag="plan")
+    if emulated.rate_bps is None:
+        return  # unlimited links: nothing for an alpha-beta model to predict
+    link = Link(emulated.rate_bps or float("inf"), emulated.latency_s, mtu=emulated.mtu)
+    local = next((r["step_s_median"] for r in records if r["method"] == "local"), None)
+    for record in records:
+        predicted = profile.predict(record["method"], link, compute=local).as_dict()
+        predicted["error"] = predicted["step_s"] / record["step_s_median"] - 1
+        record["predicted"] = predicted
 
 
 def _add_ratios(records: list[dict[str, Any]]) -> None:
