@@ -23,6 +23,7 @@ from thinwire.cluster import (
     parse_rate,
     remove_leftovers,
 )
+from thinwire.cluster.forwarder import Downlink, Switch
 from thinwire.launch import LocalPool, Placement
 
 REASON = check_can_emulate()
@@ -199,3 +200,50 @@ def test_gloo_all_reduce_across_the_cluster_is_correct_and_limited(slow_cluster)
     # the link rate and the delay are enforced: nothing arrives sooner than they allow
     assert min(r["large_s"] for r in results) > 0.8 * wire_s
     assert min(r["tiny_s"] for r in results) > 0.020
+
+
+def test_switch_port_serves_senders_round_robin_and_drops_past_its_buffer() -> None:
+    port = Downlink(capacity_bytes=400)
+    for name in (b"a1", b"a2", b"a3"):
+        assert port.enqueue(1, name * 50)
+    assert port.enqueue(2, b"b1" * 50)
+    assert not port.enqueue(2, b"b2" * 50)  # 500 bytes would not fit in 400
+    order = [port.next_packet()[:2] for _ in range(4)]
+    assert order == [b"a1", b"b1", b"a2", b"a3"]  # b's packet does not wait behind a's
+    assert port.next_packet() is None and port.queued_bytes == 0
+
+
+def _ipv4_packet(destination: str, size: int) -> bytes:
+    header = bytearray(20)
+    header[0] = 0x45
+    header[16:20] = bytes(int(x) for x in destination.split("."))
+    return bytes(header) + b"\0" * (size - 20)
+
+
+def test_switch_holds_packets_for_the_latency_and_serialises_at_the_rate() -> None:
+    import socket
+
+    hosts = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(2)]
+    for inner, outer in hosts:
+        inner.setblocking(False)
+        outer.setblocking(False)
+    switch = Switch(
+        [h[0].fileno() for h in hosts], ["198.18.0.1", "198.18.0.2"], latency_s=0.010, rate_bps=8e6
+    )  # 1 byte per microsecond
+    for _ in range(3):
+        hosts[0][1].send(_ipv4_packet("198.18.0.2", 1000))
+    hosts[0][1].send(_ipv4_packet("203.0.113.9", 100))  # not a host: dropped
+    switch.receive(hosts[0][0].fileno(), now=0.0)
+    assert switch.dropped == 1
+    switch.deliver_due(0.0099)
+    assert switch.forwarded == 0  # still on the wire
+    arrivals = []
+    for t in (0.0101, 0.0111, 0.0121, 0.0131):
+        switch.deliver_due(t)
+        arrivals.append(switch.forwarded)
+    # arrive at 10 ms, then one 1000-byte packet per millisecond
+    assert arrivals == [0, 1, 2, 3]
+    assert len(hosts[1][1].recv(2000)) == 1000
+    for inner, outer in hosts:
+        inner.close()
+        outer.close()

@@ -43,10 +43,11 @@ INTERFACE = "tw0"
 STATE_DIR = Path("/run/thinwire")
 MAX_HOSTS = 250
 
-#: per-namespace TCP settings: buffers that cover a 1 Gbit/s x 100 ms path, no IPv6 chatter
+#: per-namespace TCP settings: socket buffers that start at 1 MiB (so one 65000-byte packet
+#: is not a whole send buffer) and grow to cover 1 Gbit/s x 100 ms; no IPv6 chatter
 TCP_TUNING = (
-    ("net.ipv4.tcp_rmem", "4096 131072 33554432"),
-    ("net.ipv4.tcp_wmem", "4096 65536 33554432"),
+    ("net.ipv4.tcp_rmem", "4096 1048576 33554432"),
+    ("net.ipv4.tcp_wmem", "4096 1048576 33554432"),
     ("net.ipv6.conf.all.disable_ipv6", "1"),
 )
 
@@ -169,6 +170,13 @@ class EmulatedCluster:
         return int(min(65_000, max(1500, self.rate_bps / 8 * 1e-3)))
 
     @property
+    def port_buffer_bytes(self) -> int:
+        """Each switch port's buffer: 20 ms at the link rate, at least 64 KiB."""
+        if self.rate_bps is None:
+            return 1 << 30
+        return int(max(64 * 1024, 4 * self.mtu, self.rate_bps / 8 * 0.02))
+
+    @property
     def master_address(self) -> str:
         """The address of host 0, where the process group's rendezvous listens."""
         return self.hosts[0].address
@@ -207,6 +215,7 @@ class EmulatedCluster:
             rate_bps=self.rate_bps,
             namespaces=[h.namespace for h in self.hosts],
             watch_stdin=not daemon,
+            buffer_bytes=self.port_buffer_bytes,
         )
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         log = open(STATE_DIR / f"{self.tag}.log", "ab")  # noqa: SIM115 - handed to the child
@@ -239,7 +248,19 @@ class EmulatedCluster:
         _ip("-n", ns, "link", "set", host.interface, "mtu", str(self.mtu), "up")
         _run(["ip", "netns", "exec", ns, "sysctl", "-q", *(f"{k}={v}" for k, v in TCP_TUNING)])
         if self.rate_bps is not None:
-            burst = max(128 * 1024, int(self.rate_bps / 8 * 4e-3), 2 * self.mtu)
+            # a short queue: bulk data must not delay a host's other packets for long
+            bytes_per_ms = self.rate_bps / 8e3
+            burst = int(max(2 * self.mtu, 2 * bytes_per_ms))
+            limit = int(max(4 * self.mtu, 10 * bytes_per_ms))
+            tbf = [
+                "tbf",
+                "rate",
+                f"{int(self.rate_bps)}bit",
+                "burst",
+                str(burst),
+                "limit",
+                str(limit),
+            ]
             _run(
                 [
                     "ip",
@@ -252,13 +273,7 @@ class EmulatedCluster:
                     "dev",
                     host.interface,
                     "root",
-                    "tbf",
-                    "rate",
-                    f"{int(self.rate_bps)}bit",
-                    "burst",
-                    str(burst),
-                    "latency",
-                    "100ms",
+                    *tbf,
                 ]
             )
 

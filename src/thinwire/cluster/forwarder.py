@@ -2,17 +2,20 @@
 
 Every host's interface is a TUN device whose descriptor this process holds. A packet a host
 sends is read here, held for the one-way ``latency`` (this kernel has no ``netem``), then
-written to the destination host's descriptor no earlier than that host's downlink is free:
+queued at the destination's switch port and serialised onto its downlink at the link rate:
 
-    arrival   = read time + latency
-    start     = max(arrival, downlink_free[dst])
-    delivered = start + bytes * 8 / rate            (the packet is serialised, then handed on)
-    downlink_free[dst] = delivered
+    arrival   = read time + latency                 (propagation)
+    queue       one FIFO per sending host, served round-robin; drop-tail past the buffer
+    delivered = start of service + bytes * 8 / rate (the packet is serialised, handed on)
 
-The uplink (host -> switch) is limited in the kernel by a ``tbf`` qdisc on each TUN device,
-so a host that sends too fast is held back by its own socket buffers, as on a real NIC;
-the downlink (switch -> host) is limited here, which also makes several senders to one host
-share its link. Packets for unknown addresses (not IPv4, not a host) are dropped.
+The uplink (host -> switch) is limited in the kernel by a ``tbf`` qdisc with a short queue
+on each TUN device, so a host that sends too fast is held back by its own socket buffers,
+as on a real NIC; the downlink (switch -> host) is limited here, which also makes several
+senders to one host share its link fairly. Per-sender queues matter: in a ring every host
+receives bulk data from one neighbour and acknowledgements from the other, and with one
+FIFO the acknowledgements (and gloo's small ready messages) would wait behind the bulk
+data, slowing every ring step. Packets for unknown addresses (not IPv4, not a host) are
+dropped.
 
 Run by :class:`thinwire.cluster.EmulatedCluster`, never by hand:
 ``python -m thinwire.cluster.forwarder CONFIG_JSON``. It creates the TUN devices, prints
@@ -23,6 +26,7 @@ whichever process dies first.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import json
@@ -47,6 +51,7 @@ class ForwarderConfig:
     ``latency_s``: one-way delay between any two hosts.
     ``namespaces``: network namespaces to delete when the forwarder exits.
     ``watch_stdin``: exit when standard input closes (the owner died or let go).
+    ``buffer_bytes``: each switch port's buffer; packets beyond it are dropped.
     """
 
     devices: list[str]
@@ -55,32 +60,84 @@ class ForwarderConfig:
     rate_bps: float | None
     namespaces: list[str] = field(default_factory=list)
     watch_stdin: bool = True
+    buffer_bytes: int = 256 * 1024
 
     def to_json(self) -> str:
         """The config as one JSON argument."""
         return json.dumps(self.__dict__)
 
 
+class Downlink:
+    """One host's port on the switch: a FIFO per sending host, served round-robin one
+    packet at a time (so a host's acknowledgements do not wait behind another host's bulk
+    data), and a byte budget beyond which arriving packets are dropped (drop-tail)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.queues: dict[int, collections.deque[bytes]] = {}
+        self.turns: collections.deque[int] = collections.deque()  # senders waiting, in order
+        self.queued_bytes = 0
+        self.busy = False
+
+    def enqueue(self, sender: int, packet: bytes) -> bool:
+        """Queue ``packet`` from ``sender``; ``False`` (dropped) if the buffer is full."""
+        if self.queued_bytes + len(packet) > self.capacity_bytes:
+            return False
+        queue = self.queues.setdefault(sender, collections.deque())
+        if not queue:
+            self.turns.append(sender)
+        queue.append(packet)
+        self.queued_bytes += len(packet)
+        return True
+
+    def next_packet(self) -> bytes | None:
+        """The next packet to serialise (round-robin over senders), or ``None``."""
+        if not self.turns:
+            return None
+        sender = self.turns.popleft()
+        queue = self.queues[sender]
+        packet = queue.popleft()
+        self.queued_bytes -= len(packet)
+        if queue:
+            self.turns.append(sender)
+        return packet
+
+
 class Switch:
-    """Moves packets between TUN descriptors with the delay and downlink rate above."""
+    """Moves packets between TUN descriptors with the delay and downlink rate above.
+
+    Events, in time order: ``ARRIVE`` (a packet reaches the destination's port after the
+    latency: queue it), ``SENT`` (the port finished serialising a packet: hand it to the
+    host, start the next). Times are virtual, so pacing does not drift with wake-ups.
+    """
+
+    ARRIVE, SENT = 0, 1
 
     def __init__(
-        self, fds: list[int], addresses: list[str], latency_s: float, rate_bps: float | None
+        self,
+        fds: list[int],
+        addresses: list[str],
+        latency_s: float,
+        rate_bps: float | None,
+        buffer_bytes: int = 256 * 1024,
     ) -> None:
-        self.fds = fds
         self.routes = {
             bytes(int(x) for x in a.split(".")): fd for a, fd in zip(addresses, fds, strict=True)
         }
         self.latency_s = latency_s
         self.seconds_per_byte = 8.0 / rate_bps if rate_bps else 0.0
-        self.downlink_free = dict.fromkeys(fds, 0.0)
-        self.in_flight: list[tuple[float, int, int, bytes]] = []
+        self.ports = {fd: Downlink(buffer_bytes) for fd in fds}
+        self.events: list[tuple[float, int, int, int, int, bytes]] = []
         self.sequence = 0
         self.forwarded = 0
         self.dropped = 0
 
+    def _push(self, when: float, kind: int, destination: int, sender: int, packet: bytes) -> None:
+        self.sequence += 1
+        heapq.heappush(self.events, (when, self.sequence, kind, destination, sender, packet))
+
     def receive(self, fd: int, now: float) -> None:
-        """Read every packet waiting on ``fd`` and schedule its delivery."""
+        """Read every packet waiting on ``fd`` and schedule its arrival at the switch port."""
         while True:
             try:
                 packet = os.read(fd, READ_SIZE)
@@ -92,25 +149,43 @@ class Switch:
             if destination is None:
                 self.dropped += 1
                 continue
-            start = max(now + self.latency_s, self.downlink_free[destination])
-            delivered = start + len(packet) * self.seconds_per_byte
-            self.downlink_free[destination] = delivered
-            self.sequence += 1
-            heapq.heappush(self.in_flight, (delivered, self.sequence, destination, packet))
+            self._push(now + self.latency_s, self.ARRIVE, destination, fd, packet)
 
     def deliver_due(self, now: float) -> None:
-        """Write every packet whose delivery time has come to its destination."""
-        while self.in_flight and self.in_flight[0][0] <= now:
-            _, _, destination, packet = heapq.heappop(self.in_flight)
-            try:
-                os.write(destination, packet)
-                self.forwarded += 1
-            except OSError:  # the host's interface is down or gone: the packet is lost
-                self.dropped += 1
+        """Process every event whose time has come."""
+        while self.events and self.events[0][0] <= now:
+            when, _, kind, destination, sender, packet = heapq.heappop(self.events)
+            port = self.ports[destination]
+            if kind == self.ARRIVE:
+                if not self.seconds_per_byte:
+                    self._write(destination, packet)
+                elif not port.enqueue(sender, packet):
+                    self.dropped += 1
+                elif not port.busy:
+                    self._start(destination, when)
+            else:
+                self._write(destination, packet)
+                port.busy = False
+                self._start(destination, when)
+
+    def _start(self, destination: int, when: float) -> None:
+        port = self.ports[destination]
+        packet = port.next_packet()
+        if packet is not None:
+            port.busy = True
+            done = when + len(packet) * self.seconds_per_byte
+            self._push(done, self.SENT, destination, 0, packet)
+
+    def _write(self, destination: int, packet: bytes) -> None:
+        try:
+            os.write(destination, packet)
+            self.forwarded += 1
+        except OSError:  # the host's interface is down or gone: the packet is lost
+            self.dropped += 1
 
     def next_due(self, now: float) -> float | None:
-        """Seconds until the next delivery, or ``None`` when nothing is in flight."""
-        return max(0.0, self.in_flight[0][0] - now) if self.in_flight else None
+        """Seconds until the next event, or ``None`` when nothing is in flight."""
+        return max(0.0, self.events[0][0] - now) if self.events else None
 
 
 def serve(config: ForwarderConfig) -> None:
@@ -129,7 +204,9 @@ def serve(config: ForwarderConfig) -> None:
             fds.append(open_tun(name))
         with contextlib.suppress(OSError):
             os.nice(-10)  # packets must flow while the training processes use every core
-        switch = Switch(fds, config.addresses, config.latency_s, config.rate_bps)
+        switch = Switch(
+            fds, config.addresses, config.latency_s, config.rate_bps, config.buffer_bytes
+        )
         poller = select.epoll()
         for fd in fds:
             poller.register(fd, select.EPOLLIN)
