@@ -10,12 +10,15 @@ FASHION_DIR := /usr/share/datasets/fashion-mnist
 .PHONY: setup test lint demo bench clean
 
 $(STAMP): pyproject.toml
-	@if [ ! -f $(FASHION_DIR)/train-images-idx3-ubyte.gz ]; then \
+	@missing=""; \
+	[ -f $(FASHION_DIR)/train-images-idx3-ubyte.gz ] || missing="$$missing dataset-fashion-mnist"; \
+	command -v tc >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    export DEBIAN_FRONTEND=noninteractive; \
-	    apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
+	    apt-get update -qq && apt-get install -y -qq $$missing; \
 	  else \
-	    echo "note: $(FASHION_DIR) is missing; its tests are skipped (as root: apt-get install dataset-fashion-mnist)"; \
+	    echo "note: missing Debian packages:$$missing; their tests are skipped (as root: apt-get install$$missing)"; \
 	  fi; \
 	fi
 	@test -x $(PY) || python3 -m venv $(VENV)
