@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="emulated",
         help="emulated cluster (root) or plain loopback (no limits)",
     )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
+    )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
     parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
 
@@ -74,6 +80,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             network=args.network,
             measure_from=args.measure_from,
             evaluate=not args.no_eval,
+            bucket_cap_mb=args.bucket_cap_mb,
         )
     except (ValueError, json.JSONDecodeError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")

@@ -73,11 +73,16 @@ def parse_methods(
 
 
 def wrap(
-    method: Method, model: nn.Module, optimizer: torch.optim.Optimizer
+    method: Method,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    bucket_cap_mb: float | None = None,
 ) -> tuple[nn.Module, thinwire.GradientExchange | None]:
     """``model`` made data parallel by ``method``; the thinwire engine, if any.
 
-    Call on every rank after ``torch.distributed`` is initialised (except for ``local``).
+    ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
+    and 25 MB after it). Call on every rank after ``torch.distributed`` is initialised
+    (except for ``local``).
     """
     kind = method.kind
     if kind is Kind.LOCAL:
@@ -88,6 +93,8 @@ def wrap(
         # size-mismatch crash at 10 Mbit/s). One bucket keeps every rank's order the same.
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         ddp = DistributedDataParallel(model, bucket_cap_mb=model_mb + 1)
+    elif bucket_cap_mb is not None:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     else:
         ddp = DistributedDataParallel(model)
     if kind is Kind.DDP:

@@ -50,6 +50,7 @@ class BenchConfig:
     network: str = "emulated"
     measure_from: int | None = None
     evaluate: bool = True
+    bucket_cap_mb: float | None = None
     timeout_s: float = 3600.0
 
     def first_measured_step(self) -> int:
@@ -104,6 +105,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         interface=interface,
                         progress=progress_file,
                         evaluate=config.evaluate,
+                        bucket_cap_mb=config.bucket_cap_mb,
                     )
                     Path(progress_file).unlink(missing_ok=True)
 
@@ -230,12 +232,18 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
     """Put the cost model's prediction beside each measured record (``predicted``), with
     compute calibrated to the measured ``local`` step (the same processes' compute)."""
     from thinwire.cluster import EmulatedCluster
-    from thinwire.plan import Link, profile_task
+    from thinwire.plan import Link, profile_model
     from thinwire.tasks import task as build_task
 
     task = build_task(config.task, seed=config.seed, **config.task_options)
-    profile = profile_task(
-        task, {m.name: m.options for m in config.methods}, world_size=config.workers
+    buckets = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
+    profile = profile_model(
+        task.build_model(),
+        task.batch(0, config.workers, 0),
+        task.loss,
+        {m.name: m.options for m in config.methods},
+        world_size=config.workers,
+        **buckets,
     )
     emulated = EmulatedCluster(config.workers, config.bandwidth, config.latency, tag="plan")
     if emulated.rate_bps is None:

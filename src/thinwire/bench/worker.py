@@ -42,6 +42,7 @@ class BenchJob:
     interface: str = "lo"
     progress: str | None = None
     evaluate: bool = True
+    bucket_cap_mb: float | None = None
 
 
 def interface_bytes(interface: str) -> tuple[int, int]:
@@ -70,7 +71,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     method = job.method
     if own_momentum and job.weight_decay and "weight_decay" not in method.options:
         method = Method(method.name, {**method.options, "weight_decay": job.weight_decay})
-    wrapped, engine = wrap(method, model, optimizer)
+    wrapped, engine = wrap(method, model, optimizer, job.bucket_cap_mb)
     wrapped.train()
     if dist.is_initialized():
         dist.barrier()

@@ -198,7 +198,10 @@ def measure_method(
     if kind is Kind.LOCAL:
         return MethodCost(method, (), dense_bytes, opts)
     order = compute.order if compute is not None else None
-    groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb)
+    # DDP's small first bucket applies only to its default size; a cap given explicitly
+    # is the first bucket's too
+    first = FIRST_BUCKET_MB if bucket_cap_mb == BUCKET_CAP_MB else bucket_cap_mb
+    groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first)
     by_name = dict(params)
     exchanger = _exchanger(kind, method, opts, world_size)
     generator = torch.Generator().manual_seed(seed)
