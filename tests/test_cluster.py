@@ -247,3 +247,13 @@ def test_switch_holds_packets_for_the_latency_and_serialises_at_the_rate() -> No
     for inner, outer in hosts:
         inner.close()
         outer.close()
+
+
+@needs_root
+def test_a_second_up_with_the_same_tag_is_refused_and_leaves_the_first_intact() -> None:
+    with EmulatedCluster(2, "10mbit", "1ms", tag="dup1") as first:
+        with pytest.raises(RuntimeError, match="already up"):
+            EmulatedCluster(2, "10mbit", "1ms", tag="dup1").up()
+        assert {h.namespace for h in first.hosts} <= set(list_namespaces())
+        assert first.forwarder_alive()
+    assert not any("dup1" in n for n in list_namespaces())

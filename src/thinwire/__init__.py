@@ -8,6 +8,7 @@ opt = thinwire.DistributedOptimizer(torch.optim.SGD(...), model, "powersgd", ran
 
 from thinwire.comm import DistributedOptimizer, GradientExchange, StepStats, register
 from thinwire.compress import Compressor, compressor, compressors, register_compressor
+from thinwire.dp import DelayedAveraging
 from thinwire.errors import (
     CommunicationError,
     IncompatibleCompressorError,
@@ -19,6 +20,7 @@ from thinwire.errors import (
 __all__ = [
     "CommunicationError",
     "Compressor",
+    "DelayedAveraging",
     "DistributedOptimizer",
     "GradientExchange",
     "IncompatibleCompressorError",

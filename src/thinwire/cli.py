@@ -60,7 +60,8 @@ def _cluster(args: argparse.Namespace) -> int:
                 raise ClusterError("nothing to run: thinwire cluster run -- CMD [ARGS...]")
             codes = EmulatedCluster.attach(args.tag).run(command, port=args.port)
             console.print(f"exit codes by rank: {codes}")
-            return max(codes, key=abs)
+            worst = max(codes, key=abs)
+            return 128 - worst if worst < 0 else worst  # killed by signal N: 128 + N
         elif args.action == "down":
             EmulatedCluster.attach(args.tag).down()
             console.print("cluster removed")
@@ -89,10 +90,14 @@ def _plan(args: argparse.Namespace) -> int:
         request = report.parse_request(
             args.task, args.workers, args.bandwidth, args.latency, args.methods, args.options
         )
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         print(f"thinwire plan: error: {error}", file=sys.stderr)
         return 2
-    profile, rows = report.run_plan(request)
+    try:
+        profile, rows = report.run_plan(request)
+    except (ValueError, TypeError, OSError) as error:  # e.g. a task option, missing data
+        print(f"thinwire plan: error: {error}", file=sys.stderr)
+        return 2
     console = Console() if sys.stdout.isatty() else Console(width=150)  # full table in logs
     console.print(report.plan_table(rows, report.plan_title(request)))
     if args.json:

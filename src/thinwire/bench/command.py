@@ -64,6 +64,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         task_class(args.task)
         options = json.loads(args.options) if args.options else {}
+        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+            raise ValueError(
+                f"--options must map method names to option objects, e.g. "
+                f'\'{{"dgc": {{"density": 0.01}}}}\', got {args.options!r}'
+            )
         task_options = json.loads(args.task_options) if args.task_options else {}
         config = BenchConfig(
             task=args.task,
@@ -82,13 +87,13 @@ def run_from_args(args: argparse.Namespace) -> int:
             evaluate=not args.no_eval,
             bucket_cap_mb=args.bucket_cap_mb,
         )
-    except (ValueError, json.JSONDecodeError) as error:
+    except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 2
     out = Path(args.out)
     try:
         records = run_bench(config, out, console)
-    except RuntimeError as error:
+    except (RuntimeError, OSError) as error:  # a failed rank, a timeout, no root, no data
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
     console.print(results_table(records))

@@ -18,7 +18,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
 from thinwire.bench.worker import BenchJob, probe_allreduce, read_progress, train_method
-from thinwire.cluster import EmulatedCluster, check_can_emulate
+from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.launch import LocalPool, Placement
 
 
@@ -53,6 +53,32 @@ class BenchConfig:
     bucket_cap_mb: float | None = None
     timeout_s: float = 3600.0
 
+    def __post_init__(self) -> None:
+        """Check everything that can be checked before any process starts."""
+        from thinwire.cluster import parse_duration, parse_rate
+        from thinwire.tasks import task as build_task
+
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+            raise ValueError(
+                f"steps must be an integer >= 2 (one to warm up, one to measure), got "
+                f"{self.steps!r}"
+            )
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.network not in ("emulated", "loopback"):
+            raise ValueError(f"network must be 'emulated' or 'loopback', got {self.network!r}")
+        if not self.methods:
+            raise ValueError("no methods given; e.g. local,dense,dgc,powersgd")
+        if not (self.lr > 0):
+            raise ValueError(f"the learning rate must be > 0, got {self.lr!r}")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 MB, got {self.bucket_cap_mb!r}")
+        parse_rate(self.bandwidth)
+        parse_duration(self.latency)
+        if not isinstance(self.task_options, dict):
+            raise ValueError(f"task options must be a JSON object, got {self.task_options!r}")
+        build_task(self.task, seed=self.seed, **self.task_options)  # unknown task or option
+
     def first_measured_step(self) -> int:
         """Steps before this one are left out of the timings (warm-up, DGC's dense start)."""
         if self.measure_from is not None:
@@ -66,16 +92,10 @@ class BenchConfig:
 def run_bench(config: BenchConfig, out: Path, console: Console | None = None) -> list[dict]:
     """Run every method of ``config``, write ``out/results.json`` and return the records."""
     console = console or Console()
-    if config.steps < 2:
-        raise ValueError(
-            f"--steps must be >= 2 (one to warm up, one to measure), got {config.steps}"
-        )
-    if config.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {config.workers}")
     out.mkdir(parents=True, exist_ok=True)
     records = []
     with (
-        _network(config, console) as (placement, interface, describe),
+        _network(config, console) as (placement, interface, describe, check_network),
         tempfile.TemporaryDirectory() as scratch,
     ):
         progress_file = str(Path(scratch) / "progress")
@@ -110,6 +130,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                     Path(progress_file).unlink(missing_ok=True)
 
                     def update(shown: Any = shown) -> None:
+                        check_network()
                         seen = read_progress(progress_file)
                         if seen:
                             bar.update(shown, completed=seen[0], loss=f"loss {seen[1]:.3f}")
@@ -167,15 +188,16 @@ def _measure_link(pool: LocalPool, config: BenchConfig, console: Console) -> dic
 @contextlib.contextmanager
 def _network(
     config: BenchConfig, console: Console
-) -> Iterator[tuple[Placement | None, str, dict[str, Any]]]:
+) -> Iterator[tuple[Placement | None, str, dict[str, Any], Callable[[], None]]]:
     if config.network == "loopback":
-        yield None, "lo", {"network": "loopback", "bandwidth": None, "latency": None}
+        yield None, "lo", {"network": "loopback", "bandwidth": None, "latency": None}, _fine
         return
     if config.network != "emulated":
         raise ValueError(f"--network must be 'emulated' or 'loopback', got {config.network!r}")
     reason = check_can_emulate()
     if reason:
-        raise RuntimeError(f"{reason}")
+        raise RuntimeError(reason)
+
     with EmulatedCluster(config.workers, config.bandwidth, config.latency) as cluster:
         console.print(
             f"emulated cluster: {config.workers} hosts, {config.bandwidth} links, "
@@ -191,6 +213,20 @@ def _network(
                 "bandwidth_bps": cluster.rate_bps,
                 "latency_s": cluster.latency_s,
             },
+            lambda: _check_switch(cluster),
+        )
+
+
+def _fine() -> None:
+    """Loopback needs no watching."""
+
+
+def _check_switch(cluster: EmulatedCluster) -> None:
+    """Fail the run at once if the emulated switch died (every link would be down)."""
+    if not cluster.forwarder_alive():
+        raise ClusterError(
+            "the emulated cluster's forwarder died, so every link is down; see the kernel log "
+            "or rerun (thinwire cluster status shows leftovers)"
         )
 
 
@@ -231,7 +267,6 @@ def _record(
 def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
     """Put the cost model's prediction beside each measured record (``predicted``), with
     compute calibrated to the measured ``local`` step (the same processes' compute)."""
-    from thinwire.cluster import EmulatedCluster
     from thinwire.plan import Link, profile_model
     from thinwire.tasks import task as build_task
 
@@ -248,7 +283,7 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
     emulated = EmulatedCluster(config.workers, config.bandwidth, config.latency, tag="plan")
     if emulated.rate_bps is None:
         return  # unlimited links: nothing for an alpha-beta model to predict
-    link = Link(emulated.rate_bps or float("inf"), emulated.latency_s, mtu=emulated.mtu)
+    link = Link(emulated.rate_bps, emulated.latency_s, mtu=emulated.mtu)
     local = next((r["step_s_median"] for r in records if r["method"] == "local"), None)
     for record in records:
         predicted = profile.predict(record["method"], link, compute=local).as_dict()

@@ -20,16 +20,18 @@ root (namespaces, TUN devices, qdiscs); :func:`check_can_emulate` says why not, 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,7 +132,7 @@ class EmulatedCluster:
     """N hosts joined by links of one bandwidth and one-way latency (see the module doc).
 
     Args:
-        hosts: number of hosts (2 to 250).
+        hosts: number of hosts (1 to 250).
         bandwidth: each host's link rate in each direction, e.g. ``"100mbit"``, or
             ``"unlimited"``.
         latency: one-way delay between any two hosts, e.g. ``"1ms"``.
@@ -190,21 +192,29 @@ class EmulatedCluster:
         reason = check_can_emulate()
         if reason:
             raise ClusterError(reason)
-        remove_leftovers()
-        created: list[str] = []
-        try:
-            for host in self.hosts:
-                _ip("netns", "add", host.namespace)
-                created.append(host.namespace)
-            self._start_forwarder(daemon)
-            for host in self.hosts:
-                self._configure(host)
-            self._write_state()
-        except BaseException:
-            self.down()
-            for namespace in created:
-                _ip("netns", "delete", namespace, check=False)
-            raise
+        with _cluster_lock():  # no other `up` may see our namespaces before the forwarder
+            remove_leftovers()
+            taken = [h.namespace for h in self.hosts if h.namespace in list_namespaces()]
+            if taken:
+                raise ClusterError(
+                    f"cluster {self.tag!r} is already up ({', '.join(taken)}); use another "
+                    f"--tag, or remove it first: thinwire cluster down --tag {self.tag}"
+                )
+            created: list[str] = []
+            try:
+                for host in self.hosts:
+                    _ip("netns", "add", host.namespace)
+                    created.append(host.namespace)
+                self._start_forwarder(daemon)
+                for host in self.hosts:
+                    self._configure(host)
+                self._write_state()
+            except BaseException:
+                self._stop_forwarder()
+                for namespace in created:
+                    _ip("netns", "delete", namespace, check=False)
+                (STATE_DIR / f"{self.tag}.log").unlink(missing_ok=True)
+                raise
         return self
 
     def _start_forwarder(self, daemon: bool) -> None:
@@ -218,7 +228,7 @@ class EmulatedCluster:
             buffer_bytes=self.port_buffer_bytes,
         )
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        log = open(STATE_DIR / f"{self.tag}.log", "ab")  # noqa: SIM115 - handed to the child
+        log = open(STATE_DIR / f"{self.tag}.log", "wb")  # noqa: SIM115 - handed to the child
         self.forwarder = subprocess.Popen(
             [sys.executable, "-m", "thinwire.cluster.forwarder", config.to_json()],
             stdin=subprocess.DEVNULL if daemon else subprocess.PIPE,
@@ -229,10 +239,12 @@ class EmulatedCluster:
         log.close()
         self.forwarder_pid = self.forwarder.pid
         assert self.forwarder.stdout is not None
-        line = self.forwarder.stdout.readline().decode().strip()
+        ready = select.select([self.forwarder.stdout], [], [], 30)[0]
+        line = self.forwarder.stdout.readline().decode().strip() if ready else ""
         self.forwarder.stdout.close()
         if line != "ready":
-            self.forwarder.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.forwarder.wait(timeout=10)
             errors = (STATE_DIR / f"{self.tag}.log").read_text(errors="replace")[-2000:]
             raise ClusterError(f"the cluster's forwarder did not start:\n{errors}")
 
@@ -279,25 +291,37 @@ class EmulatedCluster:
 
     def down(self) -> None:
         """Stop the forwarder (it deletes the namespaces) and make sure they are gone."""
-        pid = self.forwarder_pid
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-            if self.forwarder is not None:
-                try:
-                    self.forwarder.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.forwarder.kill()
-                    self.forwarder.wait()
-            else:
-                _wait_gone(pid, 10)
+        self._stop_forwarder()
         for host in self.hosts:
             if os.path.exists(os.path.join(NETNS_DIR, host.namespace)):
                 _ip("netns", "delete", host.namespace, check=False)
         (STATE_DIR / f"{self.tag}.json").unlink(missing_ok=True)
         (STATE_DIR / f"{self.tag}.log").unlink(missing_ok=True)
+
+    def _stop_forwarder(self) -> None:
+        """Stop this cluster's forwarder: our child, or (attached) the process whose command
+        line names this cluster's devices, never a stranger that reused the pid."""
+        pid = self.forwarder_pid
+        if self.forwarder is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.forwarder.terminate()
+            try:
+                self.forwarder.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.forwarder.kill()
+                self.forwarder.wait()
+        elif pid is not None and _is_forwarder(pid, self.tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            _wait_gone(pid, 10)
         self.forwarder = None
         self.forwarder_pid = None
+
+    def forwarder_alive(self) -> bool:
+        """Whether the switch still runs (a dead one means every link is down)."""
+        if self.forwarder is not None:
+            return self.forwarder.poll() is None
+        return self.forwarder_pid is not None and _is_forwarder(self.forwarder_pid, self.tag)
 
     def __enter__(self) -> EmulatedCluster:
         return self.up()
@@ -371,12 +395,15 @@ class EmulatedCluster:
     @classmethod
     def attach(cls, tag: str | None = None) -> EmulatedCluster:
         """The running cluster ``tag`` (or the only one) started by ``thinwire cluster up``."""
-        states = (
-            {p.stem: json.loads(p.read_text()) for p in STATE_DIR.glob("*.json")}
-            if STATE_DIR.exists()
-            else {}
-        )
-        alive = {t: s for t, s in states.items() if _alive(s["forwarder_pid"])}
+        states = {}
+        for path in STATE_DIR.glob("*.json") if STATE_DIR.exists() else []:
+            with contextlib.suppress(OSError, ValueError):
+                states[path.stem] = json.loads(path.read_text())
+        alive = {
+            t: s
+            for t, s in states.items()
+            if isinstance(s, dict) and _is_forwarder(int(s.get("forwarder_pid") or -1), t)
+        }
         if tag is None:
             if len(alive) != 1:
                 raise ClusterError(
@@ -420,10 +447,11 @@ def remove_leftovers() -> list[str]:
                 pid = json.loads(path.read_text())["forwarder_pid"]
             except (ValueError, KeyError):
                 pid = None
-            if pid is not None and _alive(pid):
+            if pid is not None and _is_forwarder(pid, path.stem):
                 live_tags.add(path.stem)
             else:
                 path.unlink(missing_ok=True)
+                (STATE_DIR / f"{path.stem}.log").unlink(missing_ok=True)
     removed = []
     for namespace in list_namespaces():
         tag = namespace[len(PREFIX) :].split("-")[0]
@@ -435,12 +463,32 @@ def remove_leftovers() -> list[str]:
 
 def _forwarder_running(tag: str) -> bool:
     """Whether a forwarder for ``tag`` runs (a cluster being built has no state file yet)."""
-    needle = f'"tw{tag}h0"'.encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return True
-    return False
+    return any(_is_forwarder(int(pid), tag) for pid in filter(str.isdigit, os.listdir("/proc")))
+
+
+def _is_forwarder(pid: int, tag: str) -> bool:
+    """Whether process ``pid`` is the forwarder of cluster ``tag`` (not a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return (
+        b"thinwire.cluster.forwarder" in cmdline
+        and f'"tw{tag}h0"'.encode() in cmdline
+        and _alive(pid)
+    )
+
+
+@contextlib.contextmanager
+def _cluster_lock() -> Iterator[None]:
+    """An exclusive lock across processes for building clusters and removing leftovers."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(STATE_DIR / "lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _alive(pid: int) -> bool:

@@ -47,10 +47,12 @@ def open_tun(name: str) -> int:
 
 
 def enter_namespace(name: str) -> None:
-    """Move the calling (single-threaded) process into network namespace ``name``.
+    """Move the calling thread into network namespace ``name``.
 
-    Call it before anything opens sockets or starts threads (before importing torch in a
-    freshly spawned process): sockets keep the namespace they were created in.
+    A network namespace belongs to a thread: threads started afterwards by this one inherit
+    it, earlier ones keep theirs, and sockets keep the namespace they were created in. So
+    call it from the main thread before the process group (gloo) starts its threads and
+    opens its sockets.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     path = os.path.join(NETNS_DIR, name)

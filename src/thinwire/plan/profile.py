@@ -198,10 +198,15 @@ def measure_method(
     if kind is Kind.LOCAL:
         return MethodCost(method, (), dense_bytes, opts)
     order = compute.order if compute is not None else None
-    # DDP's small first bucket applies only to its default size; a cap given explicitly
-    # is the first bucket's too
-    first = FIRST_BUCKET_MB if bucket_cap_mb == BUCKET_CAP_MB else bucket_cap_mb
-    groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first)
+    if kind is Kind.DDP_POWERSGD:
+        # thinwire bench runs PyTorch's PowerSGD hook with one bucket on gloo (its
+        # callback-issued all-reduces race between buckets there): model it that way
+        groups = [[n for n, _ in reversed(params)] if order is None else list(order)]
+    else:
+        # DDP's small first bucket applies only to its default size; a cap given
+        # explicitly is the first bucket's too
+        first = FIRST_BUCKET_MB if bucket_cap_mb == BUCKET_CAP_MB else bucket_cap_mb
+        groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first)
     by_name = dict(params)
     exchanger = _exchanger(kind, method, opts, world_size)
     generator = torch.Generator().manual_seed(seed)
