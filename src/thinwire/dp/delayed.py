@@ -1,0 +1,277 @@
+"""Delayed Gradient Averaging (Zhu et al. 2021): step on the local gradient now, correct later.
+
+    opt = thinwire.DelayedAveraging(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    model, "fp16", delay=2)
+    loss.backward(); opt.step(); opt.zero_grad()
+    ...
+    opt.flush()    # before evaluation or a checkpoint: apply every pending correction
+
+Each ``step()`` starts the exchange of this rank's gradients on the engine's exchange
+thread and returns without waiting for it; the averaged gradient arrives ``delay`` steps
+later, so communication overlaps ``delay`` steps of compute. The cost: weights differ
+between ranks by their last ``delay`` local gradients, training sees gradients averaged
+``delay`` steps late, and each rank keeps ``delay`` fp32 copies of the gradients. Errors of
+an exchange (a dead peer, a non-finite gradient) surface when it is waited for: up to
+``delay`` steps later, or in :meth:`DelayedAveraging.flush`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from thinwire.comm.collectives import Communicator
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.comm.optimizer import DistributedOptimizer
+from thinwire.compress.base import Compressor, Memory, Request
+from thinwire.errors import RankMismatchError
+
+
+@dataclass
+class _Pending:
+    """One step whose correction is not applied yet: per bucket, the buffers that hold this
+    rank's gradients and, once the future resolves, ``avg - own``; the learning rate of
+    every parameter group when the local step was taken."""
+
+    deltas: list[list[Tensor]]
+    futures: list[torch.futures.Future]
+    lrs: list[float]
+
+
+class DelayedAveraging:
+    """Data-parallel training with gradients averaged ``delay`` steps late, then corrected.
+
+    With ``g_t^i`` rank i's gradient at step t, ``avg_t = (1/N) sum_i g_t^i`` as the
+    compressor delivers it (identical on every rank), ``lr_t`` the learning rate of the
+    parameter's group at step t and ``D = delay``::
+
+        D = 0:  w <- optimizer_step(w, avg_t)                   synchronous data parallel
+        D > 0:  w <- optimizer_step(w, g_t^i)                   exchange of g_t^i starts
+                w <- w - lr_{t-D} * (avg_{t-D} - g_{t-D}^i)     if t >= D (D steps late)
+
+    With plain SGD this gives, after step t (and after :meth:`flush`, with no own term)::
+
+        w_{t+1}^i = w_0 - sum_{s <= t-D} lr_s avg_s - sum_{t-D < s <= t} lr_s g_s^i
+
+    so every rank agrees on everything older than D steps. The correction uses the rate
+    that applied ``g_{t-D}`` locally, so a learning-rate schedule leaves no own-gradient
+    residue. ``D = 0`` is exactly :class:`~thinwire.DistributedOptimizer` (same code).
+
+    The correction is plain SGD applied to the weights directly; the optimizer's state
+    (momentum, Adam's moments) sees only local gradients and the correction bypasses it.
+    So the agreement above is exact for SGD without momentum (and for DGC, whose memory
+    applies momentum to what is averaged). Weight decay in the optimizer acts on each
+    rank's own weights: the ranks' difference stays bounded. Momentum or an adaptive
+    optimizer amplifies or rescales a local gradient while the correction removes it
+    once, at plain-SGD scale: ranks then drift apart, so do not rely on agreement there.
+
+    Args:
+        optimizer: the local optimizer over the model's parameters.
+        model: the model, or an iterable of ``(name, parameter)`` pairs.
+        compressor: a registered name or a :class:`Compressor` instance; it compresses the
+            delayed exchange, with error feedback, as in ``DistributedOptimizer``.
+        delay: D, an integer >= 0: how many steps an exchange has to finish.
+        communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
+        memory: override the compressor's default error-feedback memory.
+        bucket_cap_mb: gradients are exchanged in buckets of about this size.
+        group: the process group; default: the global one.
+        broadcast_parameters: copy rank 0's parameters to every rank at construction.
+        **options: compressor options when ``compressor`` is a name.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Iterable[tuple[str, nn.Parameter]],
+        compressor: str | Compressor = "none",
+        *,
+        delay: int = 1,
+        communicator: str | Communicator = "auto",
+        memory: Memory | None = None,
+        bucket_cap_mb: float = 25.0,
+        group: dist.ProcessGroup | None = None,
+        broadcast_parameters: bool = True,
+        **options: Any,
+    ) -> None:
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ValueError(f"delay must be an integer >= 0 (steps), got {delay!r}")
+        # The synchronous wrapper validates the options, checks that every rank has the
+        # same parameters and compressor, broadcasts rank 0's weights and makes the
+        # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets.
+        self._sync = DistributedOptimizer(
+            optimizer,
+            model,
+            compressor,
+            communicator=communicator,
+            memory=memory,
+            bucket_cap_mb=bucket_cap_mb,
+            group=group,
+            broadcast_parameters=broadcast_parameters,
+            **options,
+        )
+        self._delay = delay
+        _agree_on_delay(self.engine, delay)
+        self._group_of = {
+            id(p): index
+            for index, param_group in enumerate(optimizer.param_groups)
+            for p in param_group["params"]
+        }
+        # DGC's memory reads the weights (weight decay) on the exchange thread, while
+        # the local step writes them: give it a copy taken before the step.
+        self._snapshot_params = bool(getattr(self.engine.memory, "weight_decay", 0))
+        self._pending: collections.deque[_Pending] = collections.deque()
+
+    # -- what the wrapper exposes -------------------------------------------------------
+
+    @property
+    def delay(self) -> int:
+        """D: the number of steps between an exchange's start and its correction."""
+        return self._delay
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped (local) optimizer."""
+        return self._sync.optimizer
+
+    @property
+    def engine(self) -> GradientExchange:
+        """The exchange engine: compressor, memory, statistics, step counter."""
+        return self._sync.engine
+
+    @property
+    def parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The ``(name, parameter)`` pairs whose gradients are averaged."""
+        return self._sync.parameters
+
+    @property
+    def buckets(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """The exchange buckets, last parameters first."""
+        return self._sync.buckets
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (learning-rate schedulers use these)."""
+        return self.optimizer.param_groups
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Statistics of the last finished exchange (with D > 0, possibly an older step)."""
+        return self.engine.last_step
+
+    @property
+    def pending(self) -> int:
+        """How many steps' corrections are still outstanding (at most D between steps)."""
+        return len(self._pending)
+
+    # -- training -----------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Evaluate ``closure`` (if any), start this step's exchange, take the local step,
+        then apply the correction of the exchange started D steps ago."""
+        if self._delay == 0:
+            return self._sync.step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._pending.append(self._start_exchange())
+        self.optimizer.step()
+        while len(self._pending) > self._delay:
+            self._correct(self._pending.popleft())
+        return loss
+
+    def flush(self) -> None:
+        """Wait for every exchange in flight and apply its correction, oldest first; ranks
+        then hold the same weights. Call before evaluation and checkpoints."""
+        while self._pending:
+            self._correct(self._pending.popleft())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (as the wrapped optimizer does)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _start_exchange(self) -> _Pending:
+        """Copy this rank's gradients (fp32) and queue their exchange, bucket by bucket.
+        Parameters without a gradient get zeros, as in ``DistributedOptimizer``, so every
+        rank issues the same collectives and steps the same parameters."""
+        deltas, futures = [], []
+        with torch.no_grad():
+            for index, bucket in enumerate(self.buckets):
+                items = []
+                for name, p in bucket:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    own = p.grad.detach().to(torch.float32, copy=True)
+                    param = p.detach().clone() if self._snapshot_params else None
+                    items.append(GradientItem(name, own, param))
+                closes_step = index == len(self.buckets) - 1
+                deltas.append([item.grad for item in items])
+                futures.append(self.engine.submit(partial(self._exchange, items, closes_step)))
+        lrs = [float(param_group["lr"]) for param_group in self.optimizer.param_groups]
+        return _Pending(deltas, futures, lrs)
+
+    def _exchange(self, items: list[GradientItem], closes_step: bool) -> None:
+        """On the exchange thread: average ``items`` and turn each own gradient into
+        ``avg - own`` in place (some compressors reuse their output buffers next step,
+        and the exchange never writes its input)."""
+        means = self.engine.exchange(items)
+        for item, mean in zip(items, means, strict=True):
+            item.grad.neg_().add_(mean)
+        if closes_step:
+            self.engine.end_step()
+
+    def _correct(self, pending: _Pending) -> None:
+        """Wait for one step's exchange; ``w -= lr * (avg - own)`` with that step's lr."""
+        for bucket, deltas, future in zip(
+            self.buckets, pending.deltas, pending.futures, strict=True
+        ):
+            future.wait()  # raises the exchange's error (CommunicationError, ...) here
+            with torch.no_grad():
+                for (_, p), delta in zip(bucket, deltas, strict=True):
+                    index = self._group_of.get(id(p))
+                    if index is None:  # averaged, but no optimizer group steps it
+                        continue
+                    p.add_(delta.to(p.dtype), alpha=-pending.lrs[index])
+
+    # -- checkpointing ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state and thinwire's, as ``DistributedOptimizer`` saves
+        them (interchangeable). Refused while corrections are pending: call :meth:`flush`
+        first, and save the model after it too."""
+        self._refuse_while_pending("state_dict")
+        return self._sync.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (no corrections may be pending)."""
+        self._refuse_while_pending("load_state_dict")
+        self._sync.load_state_dict(state)
+
+    def _refuse_while_pending(self, what: str) -> None:
+        if self._pending:
+            raise RuntimeError(
+                f"DelayedAveraging.{what}() with {len(self._pending)} step(s) of corrections "
+                f"pending (delay={self._delay}): the weights are not yet the agreed ones. "
+                "Call flush() first (on every rank), then save or load model and optimizer."
+            )
+
+
+def _agree_on_delay(engine: GradientExchange, delay: int) -> None:
+    """Check that every rank uses the same delay (one max over ``[D, -D]``); all ranks
+    raise :class:`RankMismatchError` if not. Collective: every rank calls it."""
+    probe = torch.tensor([delay, -delay], dtype=torch.int64)
+    outcome = engine.communicator.execute([Request.max(probe)])
+    highest, lowest = int(outcome.answers[0][0][0]), -int(outcome.answers[0][0][1])
+    if highest != lowest:
+        raise RankMismatchError(
+            f"ranks disagree on the delay (seen from rank {engine.rank}): this rank has "
+            f"delay={delay}, the ranks' delays range from {lowest} to {highest}. Every rank "
+            "must construct DelayedAveraging with the same delay."
+        )

@@ -1,0 +1,291 @@
+"""Delayed Gradient Averaging: D = 0 is synchronous SGD bit for bit; with D > 0 the ranks
+agree on everything older than D steps, the correction is the true average, and a dead
+peer gives a clear error instead of a hang."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import thinwire
+from thinwire.launch import free_port, init_local_group
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+BUCKET_MB = 1e-4  # about 105 bytes: the 4 parameters of the model go in 4 buckets
+#: a learning-rate schedule that changes every step, so the correction's lr matters
+SCHEDULE = (0.1, 0.05, 0.2, 0.1, 0.15, 0.08, 0.12, 0.1)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run on every rank: front end, compressor, delay and data."""
+
+    front_end: str = "delayed"  # or "sync": thinwire.DistributedOptimizer
+    compressor: str = "none"
+    options: dict = field(default_factory=dict)
+    delay: int = 2
+    steps: int = len(SCHEDULE)
+    same_data: bool = False
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _flat(tensors) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
+
+
+def train(rank: int, world: int, run: Run) -> dict:
+    """Train ``run.steps`` steps of plain SGD; record this rank's gradient, learning rate
+    and weights at every step, the weights after ``flush()`` and what was pending."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=SCHEDULE[0])
+    if run.front_end == "sync":
+        opt = thinwire.DistributedOptimizer(
+            sgd, model, run.compressor, bucket_cap_mb=BUCKET_MB, **run.options
+        )
+    else:
+        opt = thinwire.DelayedAveraging(
+            sgd, model, run.compressor, delay=run.delay, bucket_cap_mb=BUCKET_MB, **run.options
+        )
+    record: dict = {"w0": _flat(model.parameters()), "grads": [], "lrs": [], "weights": []}
+    for step in range(run.steps):
+        lr = SCHEDULE[step % len(SCHEDULE)]
+        for group in opt.param_groups:
+            group["lr"] = lr
+        data = torch.Generator().manual_seed(1000 * step + (0 if run.same_data else rank + 1))
+        x, y = torch.randn(5, 6, generator=data), torch.randn(5, 3, generator=data)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        record["grads"].append(_flat(p.grad for p in model.parameters()))
+        record["lrs"].append(lr)
+        opt.step()
+        record["weights"].append(_flat(model.parameters()))
+    if run.front_end == "delayed":
+        record["pending"] = opt.pending
+        opt.flush()
+    record["final"] = _flat(model.parameters())
+    return record
+
+
+def sync_and_delayed(rank: int, world: int, run: Run) -> tuple[dict, dict]:
+    """The same run through DistributedOptimizer, then through DelayedAveraging."""
+    sync = train(rank, world, dataclasses.replace(run, front_end="sync"))
+    return sync, train(rank, world, run)
+
+
+def _consensus(record: dict, delay: int, step: int) -> np.ndarray:
+    """``w_{t+1} + sum over the last D steps of lr_s g_s``: what the ranks must agree on."""
+    own = sum(
+        (record["lrs"][s] * record["grads"][s] for s in range(max(0, step - delay + 1), step + 1)),
+        np.zeros_like(record["w0"]),
+    )
+    return record["weights"][step] + own
+
+
+# -- D = 0 is synchronous data parallelism --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("compressor", "options"),
+    [("none", {}), ("fp16", {}), ("powersgd", {"rank": 2}), ("topk", {"density": 0.3})],
+)
+def test_delay_zero_equals_distributed_optimizer_bitwise(
+    pool, compressor: str, options: dict
+) -> None:
+    run = Run(compressor=compressor, options=options, delay=0)
+    for sync, delayed in pool.run(sync_and_delayed, run):
+        assert delayed["pending"] == 0
+        for step, (a, b) in enumerate(zip(sync["weights"], delayed["weights"])):
+            assert np.array_equal(a, b), f"{compressor}: weights differ after step {step}"
+
+
+def test_identical_data_makes_any_delay_synchronous(pool) -> None:
+    """Every rank's gradient is the average, so every correction is zero."""
+    for sync, delayed in pool.run(sync_and_delayed, Run(delay=3, same_data=True)):
+        for a, b in zip(sync["weights"], delayed["weights"]):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
+# -- D > 0: agreement on everything older than D steps --------------------------------------
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_ranks_agree_on_everything_older_than_the_delay(pool, delay: int) -> None:
+    records = pool.run(train, Run(delay=delay))
+    world = len(records)
+    w0 = records[0]["w0"]
+    mean_grads = [sum(r["grads"][s] for r in records) / world for s in range(len(SCHEDULE))]
+    lrs = records[0]["lrs"]
+    for step in range(len(SCHEDULE)):
+        # w_{t+1}^i + sum_{t-D < s <= t} lr_s g_s^i = w_0 - sum_{s <= t-D} lr_s avg_s
+        agreed = w0 - sum((lrs[s] * mean_grads[s] for s in range(step - delay + 1)), 0 * w0)
+        for rank, record in enumerate(records):
+            np.testing.assert_allclose(
+                _consensus(record, delay, step),
+                agreed,
+                rtol=0,
+                atol=2e-6,
+                err_msg=f"rank {rank}, step {step}, delay {delay}",
+            )
+    # The test has teeth: before flush() the ranks' weights really differ ...
+    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
+    assert all(r["pending"] == delay for r in records)
+    # ... and after it every rank holds w_0 - sum_s lr_s avg_s.
+    synchronous = w0 - sum(lr * g for lr, g in zip(lrs, mean_grads))
+    for record in records:
+        np.testing.assert_allclose(record["final"], synchronous, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(record["final"], records[0]["final"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("compressor", "options"),
+    [
+        ("fp16", {}),
+        ("powersgd", {"rank": 1}),
+        ("topk", {"density": 0.3}),
+        ("dgc", {"density": 0.3, "weight_decay": 1e-2}),
+    ],
+)
+def test_delayed_compressed_exchange_keeps_ranks_in_agreement(
+    pool2, compressor: str, options: dict
+) -> None:
+    """With any compressor the average is identical on every rank, so the invariant holds
+    (its average is the compressor's, not the exact one) and flush() makes ranks equal."""
+    records = pool2.run(train, Run(compressor=compressor, options=options, delay=2))
+    for step in range(len(SCHEDULE)):
+        np.testing.assert_allclose(
+            _consensus(records[1], 2, step),
+            _consensus(records[0], 2, step),
+            rtol=0,
+            atol=2e-6,
+            err_msg=f"{compressor}: step {step}",
+        )
+    np.testing.assert_allclose(records[1]["final"], records[0]["final"], rtol=0, atol=1e-6)
+    assert np.abs(records[0]["final"] - records[0]["w0"]).max() > 1e-3  # it trained
+
+
+# -- checkpoints, options, agreement on the configuration ------------------------------------
+
+
+def checkpoint_after_flush(rank: int, world: int) -> tuple[str, int, list[str]]:
+    model = _model()
+    opt = thinwire.DelayedAveraging(torch.optim.SGD(model.parameters(), lr=0.1), model, delay=2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+    try:
+        opt.state_dict()
+        refusal = "no error"
+    except RuntimeError as error:
+        refusal = str(error)
+    opt.flush()
+    state = opt.state_dict()
+    sync = thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    sync.load_state_dict(state)  # a flushed checkpoint is a DistributedOptimizer's
+    return refusal, sync.engine.step, sorted(state)
+
+
+def test_state_dict_is_refused_until_flush(pool2) -> None:
+    for refusal, step, keys in pool2.run(checkpoint_after_flush):
+        assert "2 step(s) of corrections pending (delay=2)" in refusal and "flush()" in refusal
+        assert step == 3 and keys == ["optimizer", "thinwire"]
+
+
+def different_delays(rank: int, world: int) -> str:
+    model = _model()
+    try:
+        thinwire.DelayedAveraging(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, delay=1 + rank
+        )
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_with_different_delays_are_refused(pool2) -> None:
+    messages = pool2.run(different_delays)
+    assert "delay=1" in messages[0] and "delay=2" in messages[1]
+    for message in messages:
+        assert "range from 1 to 2" in message
+
+
+@pytest.mark.parametrize("delay", [-1, 1.5, True, "2", None])
+def test_bad_delay_is_refused_naming_the_value(delay) -> None:
+    model = _model()
+    with pytest.raises(
+        ValueError, match=r"delay must be an integer >= 0.*got " + re.escape(repr(delay))
+    ):
+        thinwire.DelayedAveraging(torch.optim.SGD(model.parameters(), lr=0.1), model, delay=delay)
+
+
+def test_bad_bucket_cap_is_refused_naming_the_value() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be > 0, got 0"):
+        thinwire.DelayedAveraging(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, delay=1, bucket_cap_mb=0
+        )
+
+
+# -- a peer that dies: the survivor's error surfaces when the exchange is waited for --------
+
+
+def _survivor_or_casualty(rank: int, port: int, fate: str, results: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    init_local_group(rank, 2, port, timeout_s=4)
+    model = _model()
+    opt = thinwire.DelayedAveraging(torch.optim.SGD(model.parameters(), lr=0.1), model, delay=2)
+    for step in range(20):
+        if rank == 1 and step == 3:
+            if fate == "stalls":
+                time.sleep(30)  # alive but silent: only the timeout can tell
+            os._exit(0)  # dies without a word, as a killed process would
+        opt.zero_grad()
+        model(torch.randn(4, 6)).sum().backward()
+        try:
+            opt.step()
+        except thinwire.CommunicationError as error:
+            results.put(("error", step, str(error)))
+            return
+    results.put(("finished", 20, ""))
+
+
+@pytest.mark.parametrize("fate", ["dies", "stalls"])
+def test_lost_peer_gives_a_communication_error_not_a_hang(fate: str) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_survivor_or_casualty, args=(r, port, fate, results)) for r in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        kind, step, message = results.get(timeout=60)
+    except queue.Empty:
+        pytest.fail("the surviving rank neither failed nor finished within 60 s")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    # Rank 1 vanishes at step 3. A stalled rank finished its exchanges of steps 1 and 2,
+    # so step 3's fails, waited for (and raised) at step 5 = 3 + delay; a dead one may
+    # take exchanges 1 and 2 down with it, which are waited for at steps 3 and 4.
+    assert kind == "error", (kind, step, message)
+    assert step == 5 if fate == "stalls" else 3 <= step <= 5, (step, message)
+    assert "peer rank has probably died" in message
