@@ -74,10 +74,11 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
         assert 0.0 <= record["eval_value"] <= 1.0 and record["eval_metric"] == "accuracy"
     by = {r["method"]: r for r in records}
     assert by["local"]["scaling_efficiency"] == pytest.approx(1.0)
-    # dense moves at least the ring all-reduce volume; DGC (density 0.001 on 2-D tensors,
-    # 1-D tensors dense) far less
+    # dense moves at least the ring all-reduce volume (loopback is shared with anything
+    # else on this machine, so only a lower bound holds); DGC (density 0.001 on 2-D
+    # tensors, 1-D tensors dense) contributes far less, by the engine's own count
     assert by["dense"]["bytes_sent_per_step"] >= 0.95 * _dense_ring_bytes(2)
-    assert by["dgc"]["bytes_sent_per_step"] < by["dense"]["bytes_sent_per_step"] / 5
+    assert by["dgc"]["thinwire"]["payload_bytes_median"] < _dense_ring_bytes(2) / 5
 
 
 @pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")
