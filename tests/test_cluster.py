@@ -141,7 +141,8 @@ def test_command_line_up_run_down() -> None:
                 "--",
                 sys.executable,
                 "-c",
-                "import os; print('rank', os.environ['RANK'], os.environ['GLOO_SOCKET_IFNAME'])",
+                "import os, sys; sys.stdout.write(f\"rank {os.environ['RANK']} "
+                "{os.environ['GLOO_SOCKET_IFNAME']}\\n\")",  # one write: no interleaving
             ],
             capture_output=True,
             text=True,
