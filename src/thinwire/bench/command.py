@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -60,7 +61,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from thinwire.bench.runner import BenchConfig, run_bench
     from thinwire.tasks import task_class
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # whole table in logs
     try:
         task_class(args.task)
         options = json.loads(args.options) if args.options else {}
