@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import queue
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch.multiprocessing as mp
 
-from thinwire.launch import LocalPool
+from thinwire.launch import LocalPool, free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -57,3 +59,30 @@ def pool4() -> Iterator[RestartingPool]:
 def pool(request: pytest.FixtureRequest) -> RestartingPool:
     """Each test that asks for ``pool`` runs on 2 and on 4 ranks."""
     return request.getfixturevalue(f"pool{request.param}")
+
+
+def _first_report(target: Callable[..., None], *args: Any, timeout: float = 60.0) -> Any:
+    """Start ``target(rank, port, *args, results)`` on two fresh spawned processes (ranks 0
+    and 1) and return the first item either puts on ``results``; fail the test if none
+    comes within ``timeout`` s (a hang). The processes are stopped afterwards."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        return results.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"no rank reported within {timeout:.0f} s: a hang")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+@pytest.fixture
+def first_report() -> Callable[..., Any]:
+    """Two fresh processes racing to report (for tests where one rank dies or stalls)."""
+    return _first_report

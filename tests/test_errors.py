@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import queue
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thinwire
 from thinwire.comm.engine import GradientExchange, GradientItem
-from thinwire.launch import free_port, init_local_group
+from thinwire.launch import init_local_group
 from thinwire.tasks.digits import DigitsMLP
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -182,23 +183,9 @@ def _survivor_or_casualty(rank: int, port: int, fate: str, results: mp.Queue) ->
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("fate", ["dies", "stalls"])
-def test_lost_peer_gives_a_communication_error_not_a_hang(fate: str) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_survivor_or_casualty, args=(r, port, fate, results)) for r in (0, 1)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        kind, step, message = results.get(timeout=60)
-    except queue.Empty:
-        pytest.fail("the surviving rank neither failed nor finished within 60 s")
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+def test_lost_peer_gives_a_communication_error_not_a_hang(
+    fate: str, first_report: Callable[..., Any]
+) -> None:
+    kind, step, message = first_report(_survivor_or_casualty, fate)
     assert kind == "error" and step == 3, (kind, step, message)
     assert "peer rank has probably died" in message
