@@ -189,3 +189,4 @@ def test_lost_peer_gives_a_communication_error_not_a_hang(
     kind, step, message = first_report(_survivor_or_casualty, fate)
     assert kind == "error" and step == 3, (kind, step, message)
     assert "peer rank has probably died" in message
+    assert "timeout: 0:00:04" in message  # the error names the group's real timeout

@@ -20,6 +20,7 @@ the poison in the answer after the same collective, and every rank raises.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from abc import ABC, abstractmethod
@@ -271,8 +272,9 @@ def _ring_allgather_traffic(nbytes: int, world: int) -> Traffic:
 
 
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
-    try:
-        backend = dist.distributed_c10d._get_default_group() if group is None else group
-        return backend.options._timeout  # type: ignore[union-attr]
-    except Exception:
-        return None
+    """The process group's collective timeout, for error messages (``None`` if unknown)."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    for holder in (pg, getattr(pg, "_get_backend", lambda device: None)(torch.device("cpu"))):
+        with contextlib.suppress(Exception):  # private API: its shape differs across versions
+            return holder.options._timeout  # type: ignore[union-attr]
+    return None
