@@ -19,9 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 import thinwire
 from thinwire.plan.methods import Kind, method_kind, method_options
 
-#: compressors that apply momentum themselves: their optimizer is plain SGD
-OWN_MOMENTUM = frozenset({"dgc"})
-
 
 @dataclass(frozen=True)
 class Method:
@@ -38,7 +35,9 @@ class Method:
     @property
     def applies_momentum(self) -> bool:
         """Whether the method applies momentum itself (the optimizer must not)."""
-        return self.name in OWN_MOMENTUM
+        return self.kind is Kind.THINWIRE and (
+            thinwire.compressor(self.name, **self.options).applies_momentum
+        )
 
 
 def parse_methods(

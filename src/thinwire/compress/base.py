@@ -161,6 +161,11 @@ class Compressor(ABC):
 
         return ResidualMemory() if self.wants_error_feedback else NoMemory()
 
+    @property
+    def applies_momentum(self) -> bool:
+        """Whether the compressor applies momentum itself (its optimizer must not)."""
+        return False
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if ``optimizer`` conflicts with this compressor (DGC's own momentum)."""
 

@@ -95,6 +95,11 @@ class DGC(TopK):
         """DGC's momentum-corrected memory with this compressor's options."""
         return DGCMemory(self.momentum, self.max_norm, self.masking, self.weight_decay)
 
+    @property
+    def applies_momentum(self) -> bool:
+        """DGC's memory applies ``momentum`` (unless it is 0)."""
+        return self.momentum != 0
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer with its own momentum: DGC's memory already applies it."""
         if self.momentum == 0:

@@ -23,9 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 import thinwire
 from thinwire.tasks.digits import DigitsMLP, accuracy, load_digits_data, shard
 
-#: Compressors that apply momentum themselves: the optimizer must then be plain SGD.
-OWN_MOMENTUM = {"dgc"}
-
 
 @dataclass(frozen=True)
 class DigitsRun:
@@ -63,7 +60,10 @@ def train_digits(rank: int, world_size: int, run: DigitsRun) -> dict[str, Any]:
     x, y = shard(data.train_x, data.train_y, rank, world_size)
     torch.manual_seed(run.seed)
     model: nn.Module = DigitsMLP(run.hidden)
-    momentum = 0.0 if run.method in OWN_MOMENTUM else run.momentum
+    own_momentum = (
+        run.method != "ddp" and thinwire.compressor(run.method, **run.options).applies_momentum
+    )
+    momentum = 0.0 if own_momentum else run.momentum
     optimizer = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=momentum)
     engine: thinwire.GradientExchange | None = None
     stepper: Any = optimizer
