@@ -56,6 +56,18 @@ def test_methods_are_validated_before_anything_starts() -> None:
     assert methods["ddp-powersgd"].options["matrix_approximation_rank"] == 3
 
 
+def test_the_cosine_schedule_runs_from_lr_down_to_zero_and_names_are_checked() -> None:
+    from thinwire.bench.worker import LR_SCHEDULES
+
+    cosine = LR_SCHEDULES["cosine"]
+    assert cosine(0, 100) == 1.0
+    assert cosine(50, 100) == pytest.approx(0.5)
+    assert cosine(100, 100) == pytest.approx(0.0, abs=1e-12)
+    assert all(cosine(t, 100) > cosine(t + 1, 100) for t in range(100))
+    with pytest.raises(ValueError, match="unknown learning-rate schedule 'step'"):
+        BenchConfig(task="digits", methods=parse_methods("dense"), lr_schedule="step")
+
+
 def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     config = BenchConfig(
         task="digits",

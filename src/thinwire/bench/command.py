@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first step in the timings (default: after warm-up)",
     )
     parser.add_argument("--lr", type=float, default=None, help="learning rate (per-task default)")
+    parser.add_argument(
+        "--lr-schedule",
+        choices=["constant", "cosine"],
+        default="constant",
+        help="cosine: decay the learning rate to 0 over --steps (for quality runs)",
+    )
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -87,6 +93,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             measure_from=args.measure_from,
             evaluate=not args.no_eval,
             bucket_cap_mb=args.bucket_cap_mb,
+            lr_schedule=args.lr_schedule,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
         console.print(f"[red]error:[/] {escape(str(error))}")

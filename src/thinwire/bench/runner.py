@@ -27,7 +27,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
-from thinwire.bench.worker import BenchJob, probe_allreduce, read_progress, train_method
+from thinwire.bench.worker import (
+    BenchJob,
+    check_lr_schedule,
+    probe_allreduce,
+    read_progress,
+    train_method,
+)
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.launch import LocalPool, Placement
 
@@ -52,6 +58,7 @@ class BenchConfig:
     evaluate: bool = True
     bucket_cap_mb: float | None = None
     timeout_s: float = 3600.0
+    lr_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
@@ -73,6 +80,7 @@ class BenchConfig:
             raise ValueError(f"the learning rate must be > 0, got {self.lr!r}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MB, got {self.bucket_cap_mb!r}")
+        check_lr_schedule(self.lr_schedule)
         parse_rate(self.bandwidth)
         parse_duration(self.latency)
         if not isinstance(self.task_options, dict):
@@ -126,6 +134,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         progress=progress_file,
                         evaluate=config.evaluate,
                         bucket_cap_mb=config.bucket_cap_mb,
+                        lr_schedule=config.lr_schedule,
                     )
                     Path(progress_file).unlink(missing_ok=True)
 

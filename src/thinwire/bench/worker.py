@@ -11,6 +11,7 @@ progress to a small file that the parent shows.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -43,6 +44,22 @@ class BenchJob:
     progress: str | None = None
     evaluate: bool = True
     bucket_cap_mb: float | None = None
+    lr_schedule: str = "constant"
+
+
+#: learning-rate schedules a benchmark can run: the factor on ``lr`` at step ``t`` of ``T``
+LR_SCHEDULES = {
+    "constant": lambda t, total: 1.0,
+    "cosine": lambda t, total: 0.5 * (1.0 + math.cos(math.pi * t / total)),
+}
+
+
+def check_lr_schedule(name: str) -> None:
+    """Raise a ``ValueError`` naming the choices if ``name`` is not a known schedule."""
+    if name not in LR_SCHEDULES:
+        raise ValueError(
+            f"unknown learning-rate schedule {name!r}; choose from {sorted(LR_SCHEDULES)}"
+        )
 
 
 def interface_bytes(interface: str) -> tuple[int, int]:
@@ -78,7 +95,10 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     forward, backward, stepping, losses, ends = [], [], [], [], []
     began = time.perf_counter()
     wire_before = interface_bytes(job.interface)
+    factor = LR_SCHEDULES[job.lr_schedule]
     for step in range(job.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = job.lr * factor(step, job.steps)
         if step == job.measure_from:
             wire_before = interface_bytes(job.interface)
         t0 = time.perf_counter()
