@@ -16,6 +16,7 @@ from thinwire.errors import (
     RankMismatchError,
     ThinwireError,
 )
+from thinwire.ps import ParameterServer
 
 __all__ = [
     "CommunicationError",
@@ -25,6 +26,7 @@ __all__ = [
     "GradientExchange",
     "IncompatibleCompressorError",
     "NonFiniteGradientError",
+    "ParameterServer",
     "RankMismatchError",
     "StepStats",
     "ThinwireError",

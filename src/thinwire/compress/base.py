@@ -114,6 +114,8 @@ class Compressor(ABC):
     aggregation: ClassVar[Aggregation]
     #: whether the compressor is meant to be used with residual error feedback by default
     wants_error_feedback: ClassVar[bool] = False
+    #: rounds of the exchange protocol; later rounds depend on earlier answers (PowerSGD: 2)
+    rounds: ClassVar[int] = 1
 
     # -- which tensors it handles ---------------------------------------------------------
 

@@ -64,6 +64,7 @@ class PowerSGD(Compressor):
     name = "powersgd"
     summary = "PowerSGD: rank-r factors P, Q summed, warm-started Q, error feedback"
     aggregation = Aggregation.SUM
+    rounds = 2
     wants_error_feedback = True
 
     def __post_init__(self) -> None:

@@ -1,0 +1,285 @@
+"""The parameter server: synchronous mode is all-reduce SGD, asynchronous mode keeps its
+staleness bound, every compressor goes through it, and a lost server or worker gives a
+clear error instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import thinwire
+from thinwire.launch import init_local_group
+from thinwire.ps.sharding import assign_shards
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+STEPS = 6
+BATCH = 5
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: how the ranks exchange, with which compressor and optimizer."""
+
+    front_end: str = "ps"  # or "allreduce": thinwire.DistributedOptimizer
+    mode: str = "sync"
+    servers: int = 1
+    colocated: bool = True
+    compressor: str = "none"
+    options: dict = field(default_factory=dict)
+    momentum: float = 0.9
+    staleness: int = 1
+    slow_rank_sleep: float = 0.0
+    steps: int = STEPS
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
+
+
+def _flat(model: nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def train(rank: int, world: int, run: Run) -> dict[str, Any]:
+    """Train ``run.steps`` steps of SGD on this rank's batches; return the final weights
+    (as pulled, or after the all-reduce step) and, on a server rank, its logs."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=run.momentum)
+    if run.front_end == "allreduce":
+        opt: Any = thinwire.DistributedOptimizer(sgd, model, run.compressor, **run.options)
+        worker = rank
+    else:
+        opt = thinwire.ParameterServer(
+            sgd,
+            model,
+            run.compressor,
+            mode=run.mode,
+            servers=run.servers,
+            colocated=run.colocated,
+            staleness=run.staleness,
+            **run.options,
+        )
+        worker = opt.worker_index
+    if run.front_end == "allreduce" or opt.is_worker:
+        for step in range(run.steps):
+            if run.slow_rank_sleep and worker == 0:
+                time.sleep(run.slow_rank_sleep)
+            x, y = _batch(worker, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    result: dict[str, Any] = {"weights": _flat(model), "worker": worker}
+    if run.front_end == "ps":
+        opt.close()
+        result["is_worker"] = opt.is_worker
+        if opt.server is not None:
+            result["applied"] = list(opt.server.applied)
+            result["released"] = list(opt.server.released)
+    return result
+
+
+def _reference(workers: int, steps: int, momentum: float) -> np.ndarray:
+    """Single-process SGD on the mean of every worker's gradient: what sync must equal."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    for step in range(steps):
+        sgd.zero_grad()
+        for worker in range(workers):
+            x, y = _batch(worker, step)
+            (nn.functional.mse_loss(model(x), y) / workers).backward()
+        sgd.step()
+    return _flat(model)
+
+
+@pytest.mark.parametrize(
+    "servers,colocated",
+    [(1, True), (2, True), (1, False)],
+    ids=["1-colocated", "2-colocated", "1-dedicated"],
+)
+def test_synchronous_server_gives_the_weights_of_allreduce_sgd(pool, servers, colocated) -> None:
+    world = pool.world_size
+    if servers >= world and not colocated:
+        pytest.skip("needs a worker beside the server")
+    results = pool.run(train, Run(servers=servers, colocated=colocated))
+    workers = [r for r in results if r["is_worker"]]
+    assert len(workers) == (world if colocated else world - servers)
+    expected = _reference(len(workers), STEPS, momentum=0.9)
+    for result in workers:
+        np.testing.assert_allclose(result["weights"], expected, rtol=1e-5, atol=1e-6)
+    # the weights moved: the comparison is not between two untrained models
+    assert np.abs(expected - _flat(_model())).max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "compressor,options",
+    [
+        ("dgc", {"density": 0.1, "warmup_steps": 0}),
+        ("onebit", {}),
+        ("powersgd", {"rank": 1}),
+        ("fp16", {}),
+        ("randomk", {"density": 0.3}),
+    ],
+)
+def test_every_compressor_gives_the_same_update_through_the_server_as_allreduce(
+    pool4, compressor, options
+) -> None:
+    momentum = 0.0 if compressor == "dgc" else 0.9  # DGC applies momentum itself
+    base = Run(compressor=compressor, options=options, momentum=momentum, servers=2)
+    through_server = pool4.run(train, base)
+    allreduced = pool4.run(
+        train, Run(front_end="allreduce", compressor=compressor, options=options, momentum=momentum)
+    )
+    for ps_result, ar_result in zip(through_server, allreduced, strict=True):
+        # fp16 sums round at every addition, in a different order from gloo's: allow that
+        atol = 5e-4 if compressor == "fp16" else 1e-5
+        np.testing.assert_allclose(ps_result["weights"], ar_result["weights"], rtol=1e-4, atol=atol)
+    assert np.abs(allreduced[0]["weights"] - _flat(_model())).max() > 1e-3
+
+
+@pytest.mark.parametrize("compressor", ["terngrad", "qsgd"])
+def test_stochastic_compressors_keep_synchronous_workers_identical_and_learning(
+    pool2, compressor
+) -> None:
+    # their random draws follow the order tensors are compressed in (shard order here,
+    # bucket order under all-reduce), so the update is another draw, not the same bits
+    steps = 30
+    results = pool2.run(train, Run(compressor=compressor, steps=steps, momentum=0.0))
+    np.testing.assert_array_equal(results[0]["weights"], results[1]["weights"])
+    start, dense = _loss(_flat(_model()), steps), _loss(_reference(2, steps, 0.0), steps)
+    assert _loss(results[0]["weights"], steps) < start - 0.5 * (start - dense)
+
+
+def _loss(weights: np.ndarray, steps: int) -> float:
+    """Mean squared error of a model with ``weights`` over both workers' batches."""
+    model = _model()
+    torch.nn.utils.vector_to_parameters(torch.from_numpy(weights), model.parameters())
+    with torch.no_grad():
+        losses = [
+            nn.functional.mse_loss(model(x), y)
+            for x, y in (_batch(w, s) for w in (0, 1) for s in range(steps))
+        ]
+    return float(torch.stack(losses).mean())
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_asynchronous_server_never_lets_a_worker_run_further_ahead_than_the_bound(
+    pool4, staleness
+) -> None:
+    run = Run(mode="async", staleness=staleness, slow_rank_sleep=0.05, steps=12, servers=2)
+    results = pool4.run(train, run)
+    servers = [r for r in results if "released" in r]
+    assert len(servers) == 2
+    for server in servers:
+        released, applied = server["released"], server["applied"]
+        assert len(applied) == 4 * 12  # every push applied once, on its own
+        ahead = [r.next_step - r.slowest for r in released]
+        assert max(ahead) <= staleness, ahead
+        # the fast workers really did run ahead when the bound allowed it
+        if staleness:
+            assert max(ahead) == staleness
+            assert max(a.staleness for a in applied) > 0
+    # all workers pulled a shard's last version eventually close to each other
+    weights = np.stack([r["weights"] for r in results])
+    assert np.isfinite(weights).all()
+
+
+def test_asynchronous_pushes_are_each_applied_as_one_scaled_sgd_step(pool2) -> None:
+    # staleness 0 with equal speeds: still one optimizer step per push, gradient / workers
+    results = pool2.run(train, Run(mode="async", staleness=0, momentum=0.0, steps=1))
+    # after one step each, both pushes were applied one after the other from w0, each with
+    # lr * g_i / 2: plain SGD makes that the same as one step on the mean
+    expected = _reference(2, 1, momentum=0.0)
+    np.testing.assert_allclose(results[1]["weights"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_shards_are_balanced_and_deterministic() -> None:
+    params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate([100, 10, 60, 50, 5])]
+    shards = assign_shards(params, 2)
+    assert sorted(i for shard in shards for i in shard) == list(range(5))
+    sizes = [sum(params[i][1].numel() for i in shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 10
+    assert shards == assign_shards(params, 2)
+    with pytest.raises(ValueError, match="a shard would be empty"):
+        assign_shards(params, 6)
+
+
+def test_bad_options_are_refused_before_anything_is_sent(pool2) -> None:
+    messages = pool2.run(_bad_options)
+    for message in messages:
+        assert "mode must be one of" in message[0]
+        assert "staleness must be an integer >= 0" in message[1]
+        assert "leaves no worker" in message[2]
+
+
+def _bad_options(rank: int, world: int) -> list[str]:
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    messages = []
+    for kwargs in ({"mode": "eventual"}, {"staleness": -1}, {"servers": 2, "colocated": False}):
+        try:
+            thinwire.ParameterServer(sgd, model, **kwargs)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+# -- a server or a worker that dies: the others get an error, not a hang --------------------
+
+
+def _lost_peer(rank: int, port: int, who: str, results: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    init_local_group(rank, 2, port, timeout_s=4)
+    model = _model()
+    ps = thinwire.ParameterServer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, colocated=False, servers=1
+    )
+    doomed = 0 if who == "server" else 1
+    if rank == doomed:
+        if ps.is_worker:
+            for step in range(2):
+                x, y = _batch(0, step)
+                nn.functional.mse_loss(model(x), y).backward()
+                ps.step()
+        os._exit(0)  # vanishes without a word, as a killed process would
+    try:
+        if ps.is_server:
+            ps.serve()
+        else:
+            for step in range(20):
+                x, y = _batch(0, step)
+                nn.functional.mse_loss(model(x), y).backward()
+                ps.step()
+    except thinwire.CommunicationError as error:
+        results.put(("error", rank, str(error)))
+        return
+    results.put(("finished", rank, ""))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("who", ["server", "worker"])
+def test_losing_a_server_or_a_worker_gives_a_communication_error(
+    who: str, first_report: Callable[..., Any]
+) -> None:
+    began = time.monotonic()
+    kind, rank, message = first_report(_lost_peer, who, timeout=60)
+    assert kind == "error", message
+    assert rank == (1 if who == "server" else 0)
+    assert "has probably died or stalled" in message
+    assert time.monotonic() - began < 40
