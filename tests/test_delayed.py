@@ -38,6 +38,7 @@ class Run:
     delay: int = 2
     steps: int = len(SCHEDULE)
     same_data: bool = False
+    lanes: int = 1
 
 
 def _model() -> nn.Module:
@@ -60,7 +61,13 @@ def train(rank: int, world: int, run: Run) -> dict:
         )
     else:
         opt = thinwire.DelayedAveraging(
-            sgd, model, run.compressor, delay=run.delay, bucket_cap_mb=BUCKET_MB, **run.options
+            sgd,
+            model,
+            run.compressor,
+            delay=run.delay,
+            lanes=run.lanes,
+            bucket_cap_mb=BUCKET_MB,
+            **run.options,
         )
     record: dict = {"w0": _flat(model.parameters()), "grads": [], "lrs": [], "weights": []}
     for step in range(run.steps):
@@ -122,6 +129,35 @@ def test_identical_data_makes_any_delay_synchronous(pool) -> None:
 
 
 # -- D > 0: agreement on everything older than D steps --------------------------------------
+
+
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
+def test_exchanges_in_flight_on_several_lanes_change_nothing_but_the_timing(
+    pool, compressor: str
+) -> None:
+    one_lane = pool.run(train, Run(delay=3, compressor=compressor))
+    three_lanes = pool.run(train, Run(delay=3, lanes=3, compressor=compressor))
+    for a, b in zip(one_lane, three_lanes, strict=True):
+        for step, (x, y) in enumerate(zip(a["weights"], b["weights"], strict=True)):
+            assert np.array_equal(x, y), f"weights differ after step {step}"
+        assert np.array_equal(a["final"], b["final"])
+
+
+def test_lanes_are_refused_for_compressors_with_state(pool2) -> None:
+    for message in pool2.run(_lanes_with_topk):
+        assert "carries state from one step to the next" in message
+        assert "use lanes=1" in message
+
+
+def _lanes_with_topk(rank: int, world: int) -> str:
+    model = _model()
+    try:
+        thinwire.DelayedAveraging(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, "topk", delay=2, lanes=2
+        )
+    except ValueError as error:
+        return str(error)
+    return "accepted"
 
 
 @pytest.mark.parametrize("delay", [1, 3])

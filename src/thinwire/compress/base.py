@@ -116,6 +116,9 @@ class Compressor(ABC):
     wants_error_feedback: ClassVar[bool] = False
     #: rounds of the exchange protocol; later rounds depend on earlier answers (PowerSGD: 2)
     rounds: ClassVar[int] = 1
+    #: whether one step's exchange uses no state left by earlier steps (so exchanges of
+    #: different steps may run concurrently); error-feedback memories are state too
+    stateless: ClassVar[bool] = False
 
     # -- which tensors it handles ---------------------------------------------------------
 

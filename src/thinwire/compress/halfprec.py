@@ -37,6 +37,7 @@ class HalfPrecision(Compressor):
     dtype: ClassVar[torch.dtype]
 
     aggregation = Aggregation.SUM
+    stateless = True
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum ``tensor / N`` in half precision over ranks; the sum is the mean."""

@@ -19,6 +19,7 @@ class NoCompression(Compressor):
     name = "none"
     summary = "no compression: dense fp32 all-reduce, bitwise equal to DDP's own"
     aggregation = Aggregation.SUM
+    stateless = True
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum ``tensor / N`` over ranks."""

@@ -18,6 +18,7 @@ an exchange (a dead peer, a non-finite gradient) surface when it is waited for: 
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -31,6 +32,7 @@ from thinwire.comm.collectives import Communicator
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.optimizer import DistributedOptimizer
 from thinwire.compress.base import Compressor, Memory, Request
+from thinwire.compress.feedback import NoMemory
 from thinwire.errors import RankMismatchError
 
 
@@ -78,6 +80,11 @@ class DelayedAveraging:
         compressor: a registered name or a :class:`Compressor` instance; it compresses the
             delayed exchange, with error feedback, as in ``DistributedOptimizer``.
         delay: D, an integer >= 0: how many steps an exchange has to finish.
+        lanes: how many steps' exchanges may be in flight at once, each on a process group
+            of its own (1: one after another). On a high-latency link one exchange spends
+            most of its time waiting, so ``lanes = D`` lets D of them share the link. Only
+            for exchanges without state between steps (compressors ``none``, ``fp16``,
+            ``bf16`` without error feedback); others must run in order.
         communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
         memory: override the compressor's default error-feedback memory.
         bucket_cap_mb: gradients are exchanged in buckets of about this size.
@@ -93,6 +100,7 @@ class DelayedAveraging:
         compressor: str | Compressor = "none",
         *,
         delay: int = 1,
+        lanes: int = 1,
         communicator: str | Communicator = "auto",
         memory: Memory | None = None,
         bucket_cap_mb: float = 25.0,
@@ -102,6 +110,8 @@ class DelayedAveraging:
     ) -> None:
         if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             raise ValueError(f"delay must be an integer >= 0 (steps), got {delay!r}")
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"lanes must be an integer >= 1, got {lanes!r}")
         # The synchronous wrapper validates the options, checks that every rank has the
         # same parameters and compressor, broadcasts rank 0's weights and makes the
         # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets.
@@ -118,6 +128,8 @@ class DelayedAveraging:
         )
         self._delay = delay
         _agree_on_delay(self.engine, delay)
+        self._lanes = [self.engine, *self._extra_lanes(lanes, group)]
+        self._started = 0  # steps whose exchange has been started
         self._group_of = {
             id(p): index
             for index, param_group in enumerate(optimizer.param_groups)
@@ -127,6 +139,33 @@ class DelayedAveraging:
         # the local step writes them: give it a copy taken before the step.
         self._snapshot_params = bool(getattr(self.engine.memory, "weight_decay", 0))
         self._pending: collections.deque[_Pending] = collections.deque()
+
+    def _extra_lanes(self, lanes: int, group: dist.ProcessGroup | None) -> list[GradientExchange]:
+        """Engines 1 .. lanes-1, each on a new process group over the same ranks."""
+        if lanes == 1:
+            return []
+        engine = self.engine
+        if not engine.compressor.stateless or not isinstance(engine.memory, NoMemory):
+            raise ValueError(
+                f"lanes={lanes} runs several steps' exchanges at once, but compressor "
+                f"{engine.compressor.name!r} with {type(engine.memory).__name__} carries state "
+                "from one step to the next (error feedback, warm starts, random streams), so "
+                "its steps must run in order: use lanes=1, or a stateless compressor "
+                "(none, fp16, bf16)"
+            )
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        extra = []
+        for _ in range(lanes - 1):
+            lane_group = dist.new_group(ranks=ranks)
+            extra.append(
+                GradientExchange(
+                    copy.deepcopy(engine.compressor),
+                    communicator=engine.communicator.name,
+                    memory=NoMemory(),
+                    group=lane_group,
+                )
+            )
+        return extra
 
     # -- what the wrapper exposes -------------------------------------------------------
 
@@ -197,11 +236,17 @@ class DelayedAveraging:
         """Clear the gradients (as the wrapped optimizer does)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def lanes(self) -> int:
+        """How many exchanges may be in flight at once."""
+        return len(self._lanes)
+
     def _start_exchange(self) -> _Pending:
         """Copy this rank's gradients (fp32) and queue their exchange, bucket by bucket.
         Parameters without a gradient get zeros, as in ``DistributedOptimizer``, so every
         rank issues the same collectives and steps the same parameters."""
         deltas, futures = [], []
+        engine = self._lanes[self._started % len(self._lanes)]
         with torch.no_grad():
             for index, bucket in enumerate(self.buckets):
                 items = []
@@ -213,19 +258,22 @@ class DelayedAveraging:
                     items.append(GradientItem(name, own, param))
                 closes_step = index == len(self.buckets) - 1
                 deltas.append([item.grad for item in items])
-                futures.append(self.engine.submit(partial(self._exchange, items, closes_step)))
+                futures.append(engine.submit(partial(self._exchange, engine, items, closes_step)))
+        self._started += 1
         lrs = [float(param_group["lr"]) for param_group in self.optimizer.param_groups]
         return _Pending(deltas, futures, lrs)
 
-    def _exchange(self, items: list[GradientItem], closes_step: bool) -> None:
+    def _exchange(
+        self, engine: GradientExchange, items: list[GradientItem], closes_step: bool
+    ) -> None:
         """On the exchange thread: average ``items`` and turn each own gradient into
         ``avg - own`` in place (some compressors reuse their output buffers next step,
         and the exchange never writes its input)."""
-        means = self.engine.exchange(items)
+        means = engine.exchange(items)
         for item, mean in zip(items, means, strict=True):
             item.grad.neg_().add_(mean)
         if closes_step:
-            self.engine.end_step()
+            engine.end_step()
 
     def _correct(self, pending: _Pending) -> None:
         """Wait for one step's exchange; ``w -= lr * (avg - own)`` with that step's lr."""
