@@ -68,6 +68,36 @@ def test_the_cosine_schedule_runs_from_lr_down_to_zero_and_names_are_checked() -
         BenchConfig(task="digits", methods=parse_methods("dense"), lr_schedule="step")
 
 
+def test_delayed_averaging_and_parameter_servers_run_in_the_bench(tmp_path: Path) -> None:
+    config = BenchConfig(
+        task="digits",
+        methods=parse_methods("dense,ps-sync,dga,ps-async", {"dga": {"delay": 2}}, steps=6),
+        workers=2,
+        steps=6,
+        lr=0.1,
+        network="loopback",
+    )
+    by = {r["method"]: r for r in run_bench(config, tmp_path)}
+    # the synchronous server makes the same updates as DDP's all-reduce
+    assert by["ps-sync"]["loss_history"] == pytest.approx(by["dense"]["loss_history"], rel=1e-5)
+    assert by["ps-sync"]["eval_value"] == by["dense"]["eval_value"]
+    # delayed and stale updates differ from synchronous ones after the first steps
+    for method in ("dga", "ps-async"):
+        assert by[method]["loss_history"][0] == pytest.approx(by["dense"]["loss_history"][0])
+        assert by[method]["loss_history"][-1] != pytest.approx(by["dense"]["loss_history"][-1])
+        assert by[method]["bytes_sent_per_step"] > 0
+    assert by["dga"]["options"] == {
+        "delay": 2,
+        "lanes": 2,
+        "compressor": "none",
+        "compressor_options": {},
+    }
+    with pytest.raises(ValueError, match="dga: lanes must be an integer >= 1"):
+        parse_methods("dga", {"dga": {"lanes": 0}})
+    with pytest.raises(ValueError, match="ps-async: momentum must be in"):
+        parse_methods("ps-async", {"ps-async": {"momentum": 1.5}})
+
+
 def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     config = BenchConfig(
         task="digits",

@@ -121,6 +121,43 @@ def test_timeline_overlaps_network_with_backward_by_hand() -> None:
     assert local.step_s == pytest.approx(3.5) and local.efficiency == 1.0
 
 
+def test_delayed_averaging_hides_latency_behind_compute_by_hand() -> None:
+    compute = ComputeTime(forward_s=0.2, backward_s=0.6, optimizer_s=0.0)  # 0.8 s
+    link = bare(MBYTE_PER_S, latency_s=0.1)  # 4 ranks: 6 ring steps of 0.1 s
+    bucket = BucketCost(1.0, 0.0, (Collective(ALLREDUCE, 400_000),))  # 0.6 s of bytes
+
+    def dga(delay: int, lanes: int) -> MethodCost:
+        return MethodCost("dga", (bucket,), 0, {"delay": delay, "lanes": lanes}, schedule="dga")
+
+    # one exchange: 0.6 s of latency + 2*3/4*0.4e6 bytes = 0.6 s of bandwidth = 1.2 s
+    assert step_time(compute, dga(0, 1), link, 4) == pytest.approx(0.8 + 1.2)
+    assert step_time(compute, dga(2, 1), link, 4) == pytest.approx(1.2)  # one at a time
+    assert step_time(compute, dga(2, 2), link, 4) == pytest.approx(0.8)  # 0.6 s each
+    # lanes beyond the delay do not help; the bandwidth bound stays
+    assert step_time(compute, dga(1, 4), link, 4) == pytest.approx(1.2)
+    thin = bare(MBYTE_PER_S / 2, latency_s=0.1)  # the bytes alone now take 1.2 s a step
+    assert step_time(compute, dga(4, 4), thin, 4) == pytest.approx(1.2)
+
+
+def test_parameter_server_step_by_hand() -> None:
+    compute = ComputeTime(forward_s=0.5, backward_s=0.5)
+    link = bare(MBYTE_PER_S, latency_s=0.05)  # 1e6 bytes/s, alpha = 0.05 s
+
+    def server(schedule: str, servers: int) -> MethodCost:
+        pushes = (BucketCost(1.0, 0.0, (Collective(ALLREDUCE, 200_000),)),)
+        return MethodCost(schedule, pushes, 400_000, {"servers": servers}, schedule=schedule)
+
+    # 4 workers, 1 shard: the shard's link takes 3 pushes (0.6 s) and sends 3 pulls (1.2 s)
+    assert step_time(compute, server("ps-sync", 1), link, 4) == pytest.approx(1.0 + 0.1 + 0.6 + 1.2)
+    # 2 shards halve what each shard's link carries (but a worker still pulls 0.4 s)
+    assert step_time(compute, server("ps-sync", 2), link, 4) == pytest.approx(1.0 + 0.1 + 0.3 + 0.6)
+    # asynchronous: a worker's own cycle (1.0 + 0.1 + 0.2 + 0.4) or the shard's link
+    assert step_time(compute, server("ps-async", 1), link, 4) == pytest.approx(1.7)
+    assert step_time(compute, server("ps-async", 4), link, 4) == pytest.approx(1.7)
+    slow = bare(MBYTE_PER_S / 4, latency_s=0.05)  # the shard's pulls now take 4.8 s
+    assert step_time(compute, server("ps-async", 1), slow, 4) == pytest.approx(4.8)
+
+
 def test_predicted_step_is_monotone_in_bandwidth() -> None:
     compute = ComputeTime(0.1, 0.3, 0.05)
     cost = MethodCost(

@@ -39,7 +39,9 @@ def run_demo(args: argparse.Namespace) -> int:
     """Run the quick benchmark, on loopback if this process cannot build namespaces."""
     reason = check_can_emulate()
     if args.network == "emulated" and reason is not None:
-        Console().print(f"[yellow]note:[/] {reason}\nrunning on plain loopback instead "
-                        "(no bandwidth limit: the timings show compute and compression only)")
+        Console().print(
+            f"[yellow]note:[/] {reason}\nrunning on plain loopback instead "
+            "(no bandwidth limit: the timings show compute and compression only)"
+        )
         args.network = "loopback"
     return run_from_args(args)

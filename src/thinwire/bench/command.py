@@ -23,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default="local,dense,ddp-fp16,ddp-powersgd,fp16,dgc,powersgd,onebit,terngrad",
-        help="comma-separated: local, dense, ddp-fp16, ddp-powersgd, or thinwire compressors",
+        help=(
+            "comma-separated: local, dense, ddp-fp16, ddp-powersgd, dga, ps-sync, ps-async, "
+            "or thinwire compressors"
+        ),
     )
     parser.add_argument("--options", default="", help="JSON per method: '{\"dgc\": {...}}'")
     parser.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")

@@ -1,13 +1,15 @@
 """How each benchmark method wraps a model for data parallelism.
 
-The methods themselves (``local``, ``dense``, ``ddp-fp16``, ``ddp-powersgd`` and every
-thinwire compressor), their defaults and the validation of their options are named once,
-in :mod:`thinwire.plan.methods`, which the cost model shares. Here they become models:
-DDP with PyTorch's own hooks, or DDP with a thinwire compressor registered.
+The methods themselves (``local``, ``dense``, ``ddp-fp16``, ``ddp-powersgd``, ``dga``,
+``ps-sync``, ``ps-async`` and every thinwire compressor), their defaults and the validation
+of their options are named once, in :mod:`thinwire.plan.methods`, which the cost model
+shares. Here they become models: DDP with PyTorch's own hooks, DDP with a thinwire
+compressor registered, or thinwire's delayed-averaging and parameter-server front ends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
-from thinwire.plan.methods import Kind, method_kind, method_options
+from thinwire.plan.methods import WRAPPER_KINDS, Kind, method_kind, method_options
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,29 @@ class Method:
     @property
     def applies_momentum(self) -> bool:
         """Whether the method applies momentum itself (the optimizer must not)."""
-        return self.kind is Kind.THINWIRE and (
-            thinwire.compressor(self.name, **self.options).applies_momentum
-        )
+        return self.compressor() is not None and self.compressor().applies_momentum
+
+    def compressor(self) -> thinwire.Compressor | None:
+        """The thinwire compressor the method sends through, if any."""
+        if self.kind is Kind.THINWIRE:
+            return thinwire.compressor(self.name, **self.options)
+        if self.kind in WRAPPER_KINDS:
+            return thinwire.compressor(
+                self.options["compressor"], **self.options["compressor_options"]
+            )
+        return None
+
+
+@dataclass
+class Wrapped:
+    """A model made data parallel: the ``model`` to call, the ``optimizer`` front end to
+    step (the plain optimizer under DDP), the thinwire ``engine`` if any, and ``finish``,
+    which leaves every rank with the agreed weights (DGA's flush, the server's close)."""
+
+    model: nn.Module
+    optimizer: Any
+    engine: thinwire.GradientExchange | None = None
+    finish: Callable[[], None] = lambda: None
 
 
 def parse_methods(
@@ -76,16 +98,41 @@ def wrap(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     bucket_cap_mb: float | None = None,
-) -> tuple[nn.Module, thinwire.GradientExchange | None]:
-    """``model`` made data parallel by ``method``; the thinwire engine, if any.
+) -> Wrapped:
+    """``model`` made data parallel by ``method``.
 
     ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
-    and 25 MB after it). Call on every rank after ``torch.distributed`` is initialised
-    (except for ``local``).
+    and 25 MB after it; also the bucket size of ``dga``). Call on every rank after
+    ``torch.distributed`` is initialised (except for ``local``). ``ps-*`` run colocated:
+    every rank is a worker and ranks ``0 .. servers-1`` also serve a shard.
     """
     kind = method.kind
     if kind is Kind.LOCAL:
-        return model, None
+        return Wrapped(model, optimizer)
+    if kind is Kind.DGA:
+        options = method.options
+        dga = thinwire.DelayedAveraging(
+            optimizer,
+            model,
+            options["compressor"],
+            delay=options["delay"],
+            lanes=options["lanes"],
+            bucket_cap_mb=bucket_cap_mb or 25.0,
+            **options["compressor_options"],
+        )
+        return Wrapped(model, dga, dga.engine, dga.flush)
+    if kind in (Kind.PS_SYNC, Kind.PS_ASYNC):
+        options = method.options
+        ps = thinwire.ParameterServer(
+            optimizer,
+            model,
+            options["compressor"],
+            mode="sync" if kind is Kind.PS_SYNC else "async",
+            servers=options["servers"],
+            staleness=options.get("staleness", 0),
+            **options["compressor_options"],
+        )
+        return Wrapped(model, ps, None, ps.close)
     if kind is Kind.DDP_POWERSGD:
         # powerSGD_hook issues its Q all-reduce from a future callback; with several
         # buckets on gloo the ranks then issue collectives in different orders (a gloo
@@ -97,13 +144,13 @@ def wrap(
     else:
         ddp = DistributedDataParallel(model)
     if kind is Kind.DDP:
-        return ddp, None
+        return Wrapped(ddp, optimizer)
     if kind is Kind.DDP_FP16:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return ddp, None
+        return Wrapped(ddp, optimizer)
     if kind is Kind.DDP_POWERSGD:
         state = powerSGD_hook.PowerSGDState(process_group=None, **method.options)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return ddp, None
+        return Wrapped(ddp, optimizer)
     engine = thinwire.register(ddp, method.name, optimizer=optimizer, **method.options)
-    return ddp, engine
+    return Wrapped(ddp, optimizer, engine)

@@ -79,16 +79,18 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     task = build_task(job.task, seed=job.seed, **job.task_options)
     model = task.build_model()
     own_momentum = job.method.applies_momentum
+    momentum = job.method.options.get("momentum")  # ps-async's own, if given
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=job.lr,
-        momentum=0.0 if own_momentum else job.momentum,
+        momentum=0.0 if own_momentum else job.momentum if momentum is None else momentum,
         weight_decay=0.0 if own_momentum else job.weight_decay,
     )
     method = job.method
     if own_momentum and job.weight_decay and "weight_decay" not in method.options:
         method = Method(method.name, {**method.options, "weight_decay": job.weight_decay})
-    wrapped, engine = wrap(method, model, optimizer, job.bucket_cap_mb)
+    parallel = wrap(method, model, optimizer, job.bucket_cap_mb)
+    wrapped, stepper, engine = parallel.model, parallel.optimizer, parallel.engine
     wrapped.train()
     if dist.is_initialized():
         dist.barrier()
@@ -97,7 +99,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     wire_before = interface_bytes(job.interface)
     factor = LR_SCHEDULES[job.lr_schedule]
     for step in range(job.steps):
-        for group in optimizer.param_groups:
+        for group in stepper.param_groups:
             group["lr"] = job.lr * factor(step, job.steps)
         if step == job.measure_from:
             wire_before = interface_bytes(job.interface)
@@ -105,10 +107,10 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
         x, y = task.batch(rank, world_size, step)
         loss = task.loss(wrapped(x), y)
         t1 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        stepper.zero_grad(set_to_none=True)
         loss.backward()
         t2 = time.perf_counter()
-        optimizer.step()
+        stepper.step()
         t3 = time.perf_counter()
         forward.append(t1 - t0)
         backward.append(t2 - t1)
@@ -117,6 +119,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
         ends.append(t3 - began)
         if rank == 0 and job.progress:
             _report(job.progress, step + 1, losses[-1])
+    parallel.finish()  # every rank holds the agreed weights (DGA, parameter server)
     wire_after = interface_bytes(job.interface)
     measured = slice(job.measure_from, job.steps)
     counted_steps = max(1, job.steps - job.measure_from)

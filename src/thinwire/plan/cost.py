@@ -196,6 +196,10 @@ class MethodCost:
     buckets: tuple[BucketCost, ...] = ()
     dense_bytes: int = 0
     options: Mapping[str, object] = field(default_factory=dict)
+    #: how the step is scheduled: ``"ddp"`` (buckets overlap the backward pass), ``"dga"``,
+    #: ``"ps-sync"`` or ``"ps-async"`` (see :func:`step_time`); ``options`` holds their
+    #: ``delay``, ``lanes`` and ``servers``
+    schedule: str = "ddp"
 
     @property
     def payload_bytes(self) -> int:
@@ -314,8 +318,13 @@ def step_time(
     *,
     overlap: bool = True,
 ) -> float:
-    """Seconds of one step under the timeline of the module docstring."""
+    """Seconds of one step under the timeline of the module docstring, or of the
+    method's own schedule (:func:`delayed_step_time`, :func:`server_step_time`)."""
     _check_world(world_size)
+    if cost.schedule == "dga":
+        return delayed_step_time(compute, cost, link, world_size)
+    if cost.schedule in ("ps-sync", "ps-async"):
+        return server_step_time(compute, cost, link, world_size)
     backward_end = compute.forward_s + compute.backward_s
     cpu_delay = 0.0  # compression done so far, which has pushed the backward pass back
     exchange_free = 0.0  # when the exchange thread (and the link) can take the next job
@@ -325,6 +334,52 @@ def step_time(
         cpu_delay += bucket.compress_s
         exchange_free = start + bucket.compress_s + bucket.comm_time(world_size, link)
     return max(backward_end + cpu_delay, exchange_free) + compute.optimizer_s
+
+
+def delayed_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_size: int) -> float:
+    """Delayed gradient averaging in its steady state: an exchange starts after each step
+    and has ``delay`` steps to finish; ``lanes`` of them may be in flight at once::
+
+        D = 0:  compute + compress + exchange                  (nothing overlaps)
+        D > 0:  max(compute + compress,  exchange / min(lanes, D),  wire bytes / B)
+
+    Latency is what concurrent exchanges hide; the link's bandwidth they share."""
+    delay = int(cost.options.get("delay", 1))  # type: ignore[call-overload]
+    lanes = int(cost.options.get("lanes", 1))  # type: ignore[call-overload]
+    cpu = compute.total + cost.compress_s
+    exchange = cost.comm_time(world_size, link)
+    if delay == 0:
+        return cpu + exchange
+    volume = cost.sent_bytes(world_size) * link.seconds_per_byte()
+    return max(cpu, exchange / min(lanes, delay), volume)
+
+
+def server_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_size: int) -> float:
+    """A parameter server with ``servers`` shards on worker ranks (colocated). A worker
+    pushes its payload (``push`` bytes, all shards together) and pulls the fp32
+    parameters (``pull``); each message waits one ``alpha`` (gloo's rendezvous). A shard's
+    link takes the other workers' pushes in and sends their pulls out::
+
+        server_in  = (N - 1) * push / servers      server_out = (N - 1) * pull / servers
+        ps-sync:   compute + compress + 2 alpha + (max(server_in, push)
+                                                   + max(server_out, pull)) / B
+        ps-async:  max(compute + compress + 2 alpha + (push + pull) / B,
+                       server_in / B,  server_out / B)
+
+    Synchronous steps add the push and the pull to the compute; asynchronous workers
+    only queue behind each other on a shard's link."""
+    servers = int(cost.options.get("servers", 1))  # type: ignore[call-overload]
+    push, pull = cost.payload_bytes, cost.dense_bytes
+    if world_size == 1:
+        return compute.total + cost.compress_s
+    per_byte, alpha = link.seconds_per_byte(), link.step_latency_s
+    server_in = (world_size - 1) * push / servers
+    server_out = (world_size - 1) * pull / servers
+    cpu = compute.total + cost.compress_s
+    if cost.schedule == "ps-sync":
+        return cpu + 2 * alpha + (max(server_in, push) + max(server_out, pull)) * per_byte
+    own = cpu + 2 * alpha + (push + pull) * per_byte
+    return max(own, server_in * per_byte, server_out * per_byte)
 
 
 def predict_step(

@@ -7,8 +7,17 @@ A *method* is one way of exchanging gradients in a data-parallel step:
 ``dense``          PyTorch DDP's own fp32 all-reduce, bucket by bucket
 ``ddp-fp16``       DDP with PyTorch's ``fp16_compress_hook`` (fp16 all-reduce)
 ``ddp-powersgd``   DDP with PyTorch's ``powerSGD_hook`` (options: ``PowerSGDState``'s)
+``dga``            ``thinwire.DelayedAveraging`` (options: ``delay``, ``lanes``, ``compressor``)
+``ps-sync``        ``thinwire.ParameterServer``, synchronous (``servers``, ``compressor``)
+``ps-async``       ``thinwire.ParameterServer``, asynchronous (``servers``, ``staleness``, ...)
 any compressor     DDP with ``thinwire.register(ddp_model, name, **options)``
 =================  ==========================================================================
+
+``dga``, ``ps-sync`` and ``ps-async`` take ``compressor`` (a thinwire compressor name, default
+``none``) and ``compressor_options`` (a dict) for what they send. ``ps-async`` also takes
+``momentum``: the servers' momentum in place of the run's (``None``: the run's). Stale
+gradients act as momentum of their own (Mitliagkas et al. 2016, "Asynchrony begets
+momentum"), so asynchronous training usually wants less explicit momentum.
 
     method_kind("dgc")          # Kind.THINWIRE
     method_options("ddp-powersgd", {"matrix_approximation_rank": 2})
@@ -31,6 +40,13 @@ class Kind(enum.Enum):
     DDP_FP16 = "ddp-fp16"  #: DDP + torch's fp16_compress_hook
     DDP_POWERSGD = "ddp-powersgd"  #: DDP + torch's powerSGD_hook
     THINWIRE = "thinwire"  #: DDP + a thinwire compressor via thinwire.register
+    DGA = "dga"  #: thinwire.DelayedAveraging
+    PS_SYNC = "ps-sync"  #: thinwire.ParameterServer(mode="sync")
+    PS_ASYNC = "ps-async"  #: thinwire.ParameterServer(mode="async")
+
+
+#: the kinds that send a thinwire compressor's payloads without DDP
+WRAPPER_KINDS = (Kind.DGA, Kind.PS_SYNC, Kind.PS_ASYNC)
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,30 @@ BUILTIN_METHODS: dict[str, Method] = {
             Kind.DDP_POWERSGD,
             "PyTorch DDP + powerSGD_hook",
             {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2},
+        ),
+        Method(
+            "dga",
+            Kind.DGA,
+            "delayed gradient averaging: local step now, correction D steps later",
+            {"delay": 2, "lanes": 2, "compressor": "none", "compressor_options": {}},
+        ),
+        Method(
+            "ps-sync",
+            Kind.PS_SYNC,
+            "synchronous parameter server (push gradients, pull parameters)",
+            {"servers": 1, "compressor": "none", "compressor_options": {}},
+        ),
+        Method(
+            "ps-async",
+            Kind.PS_ASYNC,
+            "asynchronous parameter server with a staleness bound",
+            {
+                "servers": 1,
+                "staleness": 2,
+                "momentum": None,
+                "compressor": "none",
+                "compressor_options": {},
+            },
         ),
     )
 }
@@ -118,6 +158,9 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
             raise ValueError("give ddp-powersgd either rank or matrix_approximation_rank, not both")
         given["matrix_approximation_rank"] = given.pop("rank")
     merged = {**BUILTIN_METHODS[name].defaults, **given}
+    if kind in WRAPPER_KINDS:
+        _check_wrapper_options(name, merged, set(given) - set(BUILTIN_METHODS[name].defaults))
+        return merged
     accepted = _powersgd_options() if kind is Kind.DDP_POWERSGD else set()
     unknown = sorted(set(given) - accepted)
     if unknown:
@@ -130,6 +173,37 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {rank!r}")
     return merged
+
+
+def _check_wrapper_options(name: str, merged: dict[str, Any], unknown: set[str]) -> None:
+    """Validate the options of ``dga``, ``ps-sync`` and ``ps-async``."""
+    if unknown:
+        raise ValueError(
+            f"method {name!r} has no option(s) {', '.join(sorted(unknown))}; its options are: "
+            f"{', '.join(sorted(BUILTIN_METHODS[name].defaults))}"
+        )
+    for key in ("delay", "staleness"):
+        if key in merged:
+            value = merged[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: {key} must be an integer >= 0, got {value!r}")
+    for key in ("lanes", "servers"):
+        if key in merged:
+            value = merged[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {key} must be an integer >= 1, got {value!r}")
+    momentum = merged.get("momentum")
+    if momentum is not None and not (
+        isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and 0 <= momentum < 1
+    ):
+        raise ValueError(f"{name}: momentum must be in [0, 1) or null, got {momentum!r}")
+    if not isinstance(merged["compressor_options"], Mapping):
+        raise ValueError(
+            f"{name}: compressor_options must be a dict, got {merged['compressor_options']!r}"
+        )
+    from thinwire.compress.registry import compressor
+
+    compressor(merged["compressor"], **merged["compressor_options"])  # unknown name or option
 
 
 def _powersgd_options() -> set[str]:

@@ -40,7 +40,7 @@ from thinwire.plan.cost import (
     StepPrediction,
     predict_step,
 )
-from thinwire.plan.methods import Kind, method_kind, method_options
+from thinwire.plan.methods import WRAPPER_KINDS, Kind, method_kind, method_options
 
 #: DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``)
 FIRST_BUCKET_MB = 1.0
@@ -198,6 +198,8 @@ def measure_method(
     if kind is Kind.LOCAL:
         return MethodCost(method, (), dense_bytes, opts)
     order = compute.order if compute is not None else None
+    if kind in WRAPPER_KINDS:
+        return _wrapper_cost(method, kind, opts, params, world_size, repeats, seed)
     if kind is Kind.DDP_POWERSGD:
         # thinwire bench runs PyTorch's PowerSGD hook with one bucket on gloo (its
         # callback-issued all-reduces race between buckets there): model it that way
@@ -226,6 +228,44 @@ def measure_method(
             compress_s = statistics.median(times) if kind is not Kind.DDP else 0.0
             buckets.append(BucketCost(ready, compress_s, tuple(collectives), bucket.numel))
     return MethodCost(method, tuple(buckets), dense_bytes, opts)
+
+
+def _wrapper_cost(
+    method: str,
+    kind: Kind,
+    options: Mapping[str, Any],
+    params: list[tuple[str, Tensor]],
+    world_size: int,
+    repeats: int,
+    seed: int,
+) -> MethodCost:
+    """``dga`` and the parameter server: their compressor's traffic in the optimizer
+    wrapper's buckets (25 MB, ready when the backward pass ends), scheduled their way."""
+    from thinwire.compress.registry import compressor as build
+
+    names = [n for n, _ in reversed(params)]
+    by_name = dict(params)
+    groups = ddp_buckets(params, names, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=BUCKET_CAP_MB)
+    exchanger = _ThinwireEngine(
+        build(options["compressor"], **options["compressor_options"]), world_size
+    )
+    generator = torch.Generator().manual_seed(seed)
+    buckets = []
+    with one_thread():
+        for index, group in enumerate(groups):
+            bucket = _Bucket(index, [(n, by_name[n]) for n in group])
+            times, collectives = [], []
+            for run in range(repeats + 1):
+                bucket.fill(generator)
+                started = time.perf_counter()
+                collectives = exchanger(bucket, run)
+                if run:
+                    times.append(time.perf_counter() - started)
+            stateless = options["compressor"] == "none"
+            compress_s = 0.0 if stateless else statistics.median(times)
+            buckets.append(BucketCost(1.0, compress_s, tuple(collectives), bucket.numel))
+    dense_bytes = sum(p.numel() * 4 for _, p in params)
+    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=kind.value)
 
 
 # -- the bucket a hook sees -----------------------------------------------------------------
