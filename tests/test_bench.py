@@ -25,6 +25,7 @@ FIELDS = {
     "steps",
     "wall_s",
     "step_s_median",
+    "wall_step_s",
     "compute_s_median",
     "comm_s_median",
     "bytes_sent_per_step",
@@ -113,6 +114,12 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     for record in written:
         assert set(record) >= FIELDS, FIELDS - set(record)
         assert len(record["loss_history"]) == 4
+        # wall-clock per measured step: between the last two end times of the slowest rank
+        ends = record["time_history_s"]
+        measured = 4 - record["measured_from_step"]
+        assert record["wall_step_s"] == pytest.approx(
+            (ends[-1] - ends[record["measured_from_step"] - 1]) / measured
+        )
         assert 0.0 <= record["eval_value"] <= 1.0 and record["eval_metric"] == "accuracy"
     by = {r["method"]: r for r in records}
     assert by["local"]["scaling_efficiency"] == pytest.approx(1.0)

@@ -17,13 +17,21 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
-    """One row per method: step time, efficiency, bytes, ratio, loss, metric."""
+    """One row per method: step time, efficiency, bytes, ratio, loss, metric.
+
+    ``step s`` is the median over steps of the slowest rank's step; ``wall s`` the
+    wall-clock time per step over the measured steps (until every rank finished). They
+    agree for synchronous methods; for ``dga`` and ``ps-async``, whose ranks do not wait
+    for each other every step, only ``wall s`` (and ``wall x``, dense's over it) is
+    their throughput."""
     table = Table(title=title or _title(records))
     metric = next((r["eval_metric"] for r in records if r.get("eval_metric")), "eval")
     for column in (
         "method",
         "step s",
         "x dense",
+        "wall s",
+        "wall x",
         "scaling",
         "MB sent",
         "ratio",
@@ -38,6 +46,9 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
             f"{r['step_s_median']:.3f}",
             _fmt(r.get("throughput_vs_dense"), ".2f")
             + ("x" if r.get("throughput_vs_dense") else ""),
+            _fmt(r.get("wall_step_s"), ".3f"),
+            _fmt(r.get("wall_throughput_vs_dense"), ".2f")
+            + ("x" if r.get("wall_throughput_vs_dense") else ""),
             _fmt(r.get("scaling_efficiency"), ".2f"),
             f"{r['bytes_sent_per_step'] / 1e6:.3f}",
             _fmt(r.get("compression_ratio"), ".1f"),

@@ -248,6 +248,9 @@ def _record(
     step_s = [max(r["step_s"][i] for r in ranks) for i in range(config.steps)]
     losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(config.steps)]
     tail = max(1, config.steps // 10)
+    ends = [max(r["ends_s"][i] for r in ranks) for i in range(config.steps)]
+    # wall-clock per step once every rank finished step first-1 until all finished the last
+    wall_step = (ends[-1] - (ends[first - 1] if first > 0 else 0.0)) / (config.steps - first)
     return {
         "task": config.task,
         "method": method.name,
@@ -258,6 +261,7 @@ def _record(
         "measured_from_step": first,
         "wall_s": wall,
         "step_s_median": statistics.median(step_s[first:]),
+        "wall_step_s": wall_step,
         "forward_s_median": statistics.median(r["forward_s_median"] for r in ranks),
         "backward_s_median": statistics.median(r["backward_s_median"] for r in ranks),
         "optimizer_s_median": statistics.median(r["optimizer_s_median"] for r in ranks),
@@ -268,7 +272,7 @@ def _record(
         "eval_metric": lead.get("eval_metric"),
         "eval_value": lead.get("eval_value"),
         "loss_history": losses,
-        "time_history_s": [max(r["ends_s"][i] for r in ranks) for i in range(config.steps)],
+        "time_history_s": ends,
         "config": {k: v for k, v in asdict(config).items() if k != "methods"},
     }
 
@@ -319,5 +323,8 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
         )
         record["throughput_vs_dense"] = (
             dense["step_s_median"] / record["step_s_median"] if dense else None
+        )
+        record["wall_throughput_vs_dense"] = (
+            dense["wall_step_s"] / record["wall_step_s"] if dense else None
         )
         record["steps_per_s"] = 1.0 / record["step_s_median"]
