@@ -157,6 +157,10 @@ def test_command_line_rejects_bad_input_and_writes_the_plot(tmp_path: Path) -> N
     thinwire = [sys.executable, "-m", "thinwire.cli", "bench"]
     bad = subprocess.run([*thinwire, "--methods", "dense,nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown method 'nope'" in bad.stdout
+    shards = subprocess.run(
+        [*thinwire, "--methods", "dense,ps-sync", "--servers", "0"], capture_output=True, text=True
+    )
+    assert shards.returncode == 2 and "ps-sync: servers must be an integer >= 1" in shards.stdout
     ok = subprocess.run(
         [
             *thinwire,

@@ -39,6 +39,7 @@ class Run:
     steps: int = len(SCHEDULE)
     same_data: bool = False
     lanes: int = 1
+    momentum: float = 0.0
 
 
 def _model() -> nn.Module:
@@ -54,7 +55,7 @@ def train(rank: int, world: int, run: Run) -> dict:
     """Train ``run.steps`` steps of plain SGD; record this rank's gradient, learning rate
     and weights at every step, the weights after ``flush()`` and what was pending."""
     model = _model()
-    sgd = torch.optim.SGD(model.parameters(), lr=SCHEDULE[0])
+    sgd = torch.optim.SGD(model.parameters(), lr=SCHEDULE[0], momentum=run.momentum)
     if run.front_end == "sync":
         opt = thinwire.DistributedOptimizer(
             sgd, model, run.compressor, bucket_cap_mb=BUCKET_MB, **run.options
@@ -129,6 +130,22 @@ def test_identical_data_makes_any_delay_synchronous(pool) -> None:
 
 
 # -- D > 0: agreement on everything older than D steps --------------------------------------
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_momentum_is_corrected_too_so_ranks_agree_after_flush(pool, delay: int) -> None:
+    records = pool.run(train, Run(delay=delay, momentum=0.9))
+    for record in records[1:]:
+        np.testing.assert_allclose(record["final"], records[0]["final"], rtol=1e-5, atol=1e-6)
+    # before the flush they did differ: the last D steps were each rank's own
+    assert not np.allclose(records[0]["weights"][-1], records[1]["weights"][-1], atol=1e-4)
+
+
+def test_identical_data_with_momentum_is_synchronous_momentum_sgd(pool) -> None:
+    run = Run(delay=2, same_data=True, momentum=0.9)
+    for sync, delayed in pool.run(sync_and_delayed, run):
+        for a, b in zip(sync["weights"], delayed["weights"], strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("compressor", ["none", "fp16"])

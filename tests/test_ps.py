@@ -240,6 +240,26 @@ def _bad_options(rank: int, world: int) -> list[str]:
     return messages
 
 
+def test_a_non_finite_gradient_stops_every_worker_with_a_clear_error(pool2) -> None:
+    for outcome in pool2.run(_push_nan):
+        assert outcome.startswith("NonFiniteGradientError"), outcome
+        assert "non-finite gradient" in outcome and "applied nothing" in outcome
+
+
+def _push_nan(rank: int, world: int) -> str:
+    model = _model()
+    ps = thinwire.ParameterServer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = _batch(rank, 0)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    nn.functional.mse_loss(model(x), y).backward()
+    try:
+        ps.step()
+    except thinwire.NonFiniteGradientError as error:
+        return f"NonFiniteGradientError: {error}"
+    return "no error"
+
+
 # -- a server or a worker that dies: the others get an error, not a hang --------------------
 
 

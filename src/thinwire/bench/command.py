@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument("--options", default="", help="JSON per method: '{\"dgc\": {...}}'")
+    parser.add_argument(
+        "--servers",
+        type=int,
+        default=None,
+        help="server shards K of ps-sync and ps-async (ranks 0..K-1 also serve; default 1)",
+    )
     parser.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
     parser.add_argument("--steps", type=int, default=20, help="training steps per method")
     parser.add_argument(
@@ -79,6 +85,11 @@ def run_from_args(args: argparse.Namespace) -> int:
                 f"--options must map method names to option objects, e.g. "
                 f'\'{{"dgc": {{"density": 0.01}}}}\', got {args.options!r}'
             )
+        if args.servers is not None:
+            listed = {name.strip() for name in args.methods.split(",")}
+            for name in ("ps-sync", "ps-async"):
+                if name in listed:
+                    options.setdefault(name, {}).setdefault("servers", args.servers)
         task_options = json.loads(args.task_options) if args.task_options else {}
         config = BenchConfig(
             task=args.task,

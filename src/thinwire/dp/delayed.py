@@ -45,6 +45,7 @@ class _Pending:
     deltas: list[list[Tensor]]
     futures: list[torch.futures.Future]
     lrs: list[float]
+    step: int = 0
 
 
 class DelayedAveraging:
@@ -66,13 +67,16 @@ class DelayedAveraging:
     that applied ``g_{t-D}`` locally, so a learning-rate schedule leaves no own-gradient
     residue. ``D = 0`` is exactly :class:`~thinwire.DistributedOptimizer` (same code).
 
-    The correction is plain SGD applied to the weights directly; the optimizer's state
-    (momentum, Adam's moments) sees only local gradients and the correction bypasses it.
-    So the agreement above is exact for SGD without momentum (and for DGC, whose memory
-    applies momentum to what is averaged). Weight decay in the optimizer acts on each
-    rank's own weights: the ranks' difference stays bounded. Momentum or an adaptive
-    optimizer amplifies or rescales a local gradient while the correction removes it
-    once, at plain-SGD scale: ranks then drift apart, so do not rely on agreement there.
+    With SGD momentum ``m`` (heavy ball, no dampening, no Nesterov) the correction also
+    replays what the missing ``delta = avg - own`` would have done through the momentum
+    buffer: after the local steps ``t .. t+j`` it moves the weights by ``-delta * sum_k
+    lr_{t+k} m^k`` and adds ``m^j delta`` to the buffer. The update is linear in the
+    gradients, so once every correction is in (after :meth:`flush`) each rank has applied
+    exactly the averaged gradients, through the same momentum: the ranks hold the same
+    weights and buffers (up to rounding, and to weight decay, which acts on each rank's own
+    recent weights). Other optimizers (Adam, Nesterov, dampening) get the plain-SGD
+    correction and their own state sees only local gradients: ranks then drift apart.
+    DGC applies its momentum in its memory, before the exchange, so it is exact as well.
 
     Args:
         optimizer: the local optimizer over the model's parameters.
@@ -130,6 +134,9 @@ class DelayedAveraging:
         _agree_on_delay(self.engine, delay)
         self._lanes = [self.engine, *self._extra_lanes(lanes, group)]
         self._started = 0  # steps whose exchange has been started
+        #: the learning rates of the last D + 1 local steps (the momentum correction's)
+        self._lr_history: collections.deque[list[float]] = collections.deque(maxlen=delay + 1)
+        self._momenta = [_exact_momentum(optimizer, group) for group in optimizer.param_groups]
         self._group_of = {
             id(p): index
             for index, param_group in enumerate(optimizer.param_groups)
@@ -222,6 +229,7 @@ class DelayedAveraging:
                 loss = closure()
         self._pending.append(self._start_exchange())
         self.optimizer.step()
+        self._lr_history.append(self._pending[-1].lrs)
         while len(self._pending) > self._delay:
             self._correct(self._pending.popleft())
         return loss
@@ -261,7 +269,7 @@ class DelayedAveraging:
                 futures.append(engine.submit(partial(self._exchange, engine, items, closes_step)))
         self._started += 1
         lrs = [float(param_group["lr"]) for param_group in self.optimizer.param_groups]
-        return _Pending(deltas, futures, lrs)
+        return _Pending(deltas, futures, lrs, step=self._started - 1)
 
     def _exchange(
         self, engine: GradientExchange, items: list[GradientItem], closes_step: bool
@@ -276,7 +284,19 @@ class DelayedAveraging:
             engine.end_step()
 
     def _correct(self, pending: _Pending) -> None:
-        """Wait for one step's exchange; ``w -= lr * (avg - own)`` with that step's lr."""
+        """Wait for one step's exchange and apply ``delta = avg - own`` as if step t had
+        used the average: with ``j`` local steps taken since (t itself included: j + 1
+        steps) and SGD momentum ``m`` (0 for plain SGD)::
+
+            w   -= delta * sum_{k=0..j} lr_{t+k} m^k     (what delta would have moved)
+            buf += delta * m^j                           (what it would still carry)
+        """
+        taken = self._started - pending.step  # local steps t .. t+j: j + 1 of them
+        recent = list(self._lr_history)[-taken:]
+        scales, carries = [], []
+        for index, momentum in enumerate(self._momenta):
+            scales.append(sum(lrs[index] * momentum**k for k, lrs in enumerate(recent)))
+            carries.append(momentum ** (taken - 1) if momentum else 0.0)
         for bucket, deltas, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
@@ -286,7 +306,11 @@ class DelayedAveraging:
                     index = self._group_of.get(id(p))
                     if index is None:  # averaged, but no optimizer group steps it
                         continue
-                    p.add_(delta.to(p.dtype), alpha=-pending.lrs[index])
+                    p.add_(delta.to(p.dtype), alpha=-scales[index])
+                    if carries[index]:
+                        buffer = self.optimizer.state[p].get("momentum_buffer")
+                        if buffer is not None:
+                            buffer.add_(delta.to(buffer.dtype), alpha=carries[index])
 
     # -- checkpointing ------------------------------------------------------------------
 
@@ -309,6 +333,17 @@ class DelayedAveraging:
                 f"pending (delay={self._delay}): the weights are not yet the agreed ones. "
                 "Call flush() first (on every rank), then save or load model and optimizer."
             )
+
+
+def _exact_momentum(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float:
+    """The momentum the correction carries into ``group``'s buffers: SGD's heavy-ball
+    momentum (no dampening, no Nesterov); 0 for anything else (corrected as plain SGD)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return 0.0
+    momentum = float(group.get("momentum", 0.0))
+    if momentum and not group.get("nesterov", False) and not group.get("dampening", 0.0):
+        return momentum
+    return 0.0
 
 
 def _agree_on_delay(engine: GradientExchange, delay: int) -> None:

@@ -1,0 +1,262 @@
+"""An embedding table whose rows are spread over the data-parallel ranks (EmbRace-style).
+
+Row ``r`` of a ``V x D`` table lives on rank ``r % W`` (W ranks), as local row ``r // W``:
+cyclic, so that frequent low ids (a sorted vocabulary) spread over every rank. A lookup::
+
+    ids (any shape)  ->  unique ids u (sorted), inverse map
+                     ->  grouped by owner; counts exchanged (all_to_all_single of W ints)
+                     ->  ids to their owners (all_to_all_single, uneven splits)
+                     ->  owners gather their rows, send the vectors back (all_to_all_single)
+                     ->  out = rows[inverse]
+
+and its backward pass sends each unique id's summed gradient back to the owner the same
+way, which accumulates the gradients of every rank that looked the row up. Each rank's
+gradient is divided by W, as DDP averages: with each rank's loss a mean over its own
+equal-sized batch, the owner's gradient is the gradient of the global batch's mean loss,
+and the table trains exactly as one ``nn.Embedding`` would on the global batch. Only looked
+up rows travel, each once per rank and step however often the batch repeats it.
+
+Every rank must call forward and backward the same number of times in the same order
+(they are collectives). Dense parameters stay data parallel (DDP or a thinwire
+compressor): wrap only them, since each rank's shard differs by design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+@dataclass
+class Route:
+    """Where one batch's unique ids go: ``unique`` (sorted), ``inverse`` (position of each
+    looked-up id in ``unique``), ``order`` (unique positions grouped by owner),
+    ``send_counts``/``recv_counts`` (ids per peer), ``served`` (local rows this rank
+    serves, in arrival order)."""
+
+    unique: Tensor
+    inverse: Tensor
+    order: Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    served: Tensor
+
+
+@dataclass
+class SparseTraffic:
+    """Bytes this rank sent in its last forward and backward pass (payloads)."""
+
+    ids: int = 0
+    rows: int = 0
+    grads: int = 0
+
+    @property
+    def total(self) -> int:
+        """All three together."""
+        return self.ids + self.rows + self.grads
+
+
+class ShardedEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, embedding_dim)`` sharded by rows over the ranks of
+    ``group`` (see the module docstring). ``weight`` is this rank's shard: global rows
+    ``rank, rank + W, rank + 2W, ...``.
+
+    Args:
+        num_embeddings: V, the number of rows.
+        embedding_dim: D.
+        group: the data-parallel process group (default: the global one).
+        seed: the full table is drawn from N(0, 1) with this seed, as ``nn.Embedding``
+            initialises, and each rank keeps its rows (so any world size starts from the
+            same table).
+        sparse_grad: give ``weight`` a sparse gradient (rows touched by any rank only), for
+            ``torch.optim.SparseAdam`` or sparse-aware SGD; default: a dense gradient, for
+            any optimizer (untouched rows get zero gradient, as in ``nn.Embedding``).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        sparse_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) first (or launch with torchrun)"
+            )
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.sparse_grad = sparse_grad
+        full = torch.randn(
+            num_embeddings, embedding_dim, generator=torch.Generator().manual_seed(seed)
+        )
+        self.weight = nn.Parameter(full[self.rank :: self.world].clone())
+        self.traffic = SparseTraffic()
+
+    # -- the lookup ---------------------------------------------------------------------
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Embedding vectors of ``ids`` (integer tensor of any shape): ``ids.shape + (D,)``."""
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"ids must lie in [0, {self.num_embeddings}); got values from "
+                f"{int(flat.min())} to {int(flat.max())}"
+            )
+        route = self.route(flat)
+        out = _Lookup.apply(self.weight, route, self)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def route(self, flat_ids: Tensor) -> Route:
+        """Deduplicate ``flat_ids``, group them by owner and exchange them (collective)."""
+        unique, inverse = torch.unique(flat_ids, sorted=True, return_inverse=True)
+        owners = unique % self.world
+        order = torch.argsort(owners, stable=True)
+        send = torch.bincount(owners, minlength=self.world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        wanted = torch.empty(sum(recv_counts), dtype=torch.int64)
+        dist.all_to_all_single(wanted, unique[order], recv_counts, send_counts, group=self.group)
+        self.traffic = SparseTraffic(ids=(unique.numel() + self.world) * 8)
+        return Route(unique, inverse, order, send_counts, recv_counts, wanted // self.world)
+
+    def exchange_rows(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
+        """``all_to_all_single`` of ``(n, D)`` rows with uneven splits (collective)."""
+        out = rows.new_empty(sum(recv_counts), self.embedding_dim)
+        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
+
+    # -- the whole table ----------------------------------------------------------------
+
+    def rows(self) -> Tensor:
+        """The global row ids of this rank's shard."""
+        return torch.arange(self.rank, self.num_embeddings, self.world)
+
+    def full_weight(self) -> Tensor:
+        """The whole ``V x D`` table, on every rank (collective: an all-gather of shards)."""
+        counts = [len(range(r, self.num_embeddings, self.world)) for r in range(self.world)]
+        padded = max(counts)
+        mine = torch.zeros(padded, self.embedding_dim, dtype=self.weight.dtype)
+        mine[: self.weight.shape[0]] = self.weight.detach()
+        shards = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(shards, mine, group=self.group)
+        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
+        for r, (shard, count) in enumerate(zip(shards, counts, strict=True)):
+            full[r :: self.world] = shard[:count]
+        return full
+
+    def load_full_weight(self, full: Tensor) -> None:
+        """Take this rank's rows of a whole ``V x D`` table (e.g. saved by
+        :meth:`full_weight` on any number of ranks)."""
+        if tuple(full.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"a table of shape {tuple(full.shape)} cannot load into a sharded embedding of "
+                f"{self.num_embeddings} x {self.embedding_dim}"
+            )
+        with torch.no_grad():
+            self.weight.copy_(full[self.rank :: self.world])
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, shard {self.rank} of {self.world} "
+            f"({self.weight.shape[0]} rows)"
+        )
+
+
+class _Lookup(torch.autograd.Function):
+    """Forward: fetch rows from their owners; backward: send row gradients to them."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, route: Route, table: ShardedEmbedding) -> Tensor:
+        served = weight.detach().index_select(0, route.served)
+        fetched = table.exchange_rows(served, route.recv_counts, route.send_counts)
+        vectors = torch.empty_like(fetched)
+        vectors[route.order] = fetched
+        table.traffic.rows = served.numel() * served.element_size()
+        ctx.route, ctx.table = route, table
+        return vectors.index_select(0, route.inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
+        route, table = ctx.route, ctx.table
+        per_unique = grad_out.new_zeros(route.unique.numel(), table.embedding_dim)
+        per_unique.index_add_(0, route.inverse, grad_out.reshape(-1, table.embedding_dim))
+        per_unique.div_(table.world)
+        at_owner = table.exchange_rows(
+            per_unique.index_select(0, route.order), route.send_counts, route.recv_counts
+        )
+        table.traffic.grads = per_unique.numel() * per_unique.element_size()
+        shape = table.weight.shape
+        if table.sparse_grad:
+            grad = torch.sparse_coo_tensor(route.served.unsqueeze(0), at_owner, shape).coalesce()
+        else:
+            grad = grad_out.new_zeros(shape).index_add_(0, route.served, at_owner)
+        return grad, None, None
+
+
+def shard_embeddings(
+    model: nn.Module, *, group: dist.ProcessGroup | None = None, sparse_grad: bool = False
+) -> list[str]:
+    """Replace every ``nn.Embedding`` in ``model`` by a :class:`ShardedEmbedding` holding
+    rank 0's table (collective); return the replaced modules' names.
+
+    Refused, naming the module and what to do: an embedding whose weight is tied to another
+    parameter (a tied output projection would need the whole table on every rank), and
+    ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``.
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Embedding):
+            continue
+        shared = names_of.get(id(module.weight), [])
+        if len(shared) > 1:
+            raise ValueError(
+                f"embedding {name!r} shares its weight with {', '.join(shared[1:])} (a tied "
+                "output projection?); a sharded table cannot also serve as a dense layer on "
+                "every rank: untie them (give the output layer its own weight) or leave this "
+                "embedding dense"
+            )
+        unsupported = [
+            option
+            for option, value in (
+                ("padding_idx", module.padding_idx),
+                ("max_norm", module.max_norm),
+                ("scale_grad_by_freq", module.scale_grad_by_freq or None),
+            )
+            if value is not None
+        ]
+        if unsupported:
+            raise ValueError(
+                f"embedding {name!r} uses {', '.join(unsupported)}, which ShardedEmbedding "
+                "does not support; drop the option(s) or leave this embedding dense"
+            )
+        table = module.weight.detach().clone()
+        dist.broadcast(table, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        sharded = ShardedEmbedding(
+            module.num_embeddings, module.embedding_dim, group=group, sparse_grad=sparse_grad
+        )
+        sharded.load_full_weight(table)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, sharded)
+        replaced.append(name)
+    return replaced
