@@ -209,24 +209,11 @@ def measure_method(
         # explicitly is the first bucket's too
         first = FIRST_BUCKET_MB if bucket_cap_mb == BUCKET_CAP_MB else bucket_cap_mb
         groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first)
-    by_name = dict(params)
     exchanger = _exchanger(kind, method, opts, world_size)
-    generator = torch.Generator().manual_seed(seed)
-    buckets = []
-    with one_thread():
-        for index, names in enumerate(groups):
-            bucket = _Bucket(index, [(n, by_name[n]) for n in names])
-            times = []
-            collectives: list[Collective] = []
-            for run in range(repeats + 1):
-                bucket.fill(generator)
-                started = time.perf_counter()
-                collectives = exchanger(bucket, run)
-                if run:
-                    times.append(time.perf_counter() - started)
-            ready = max((compute.ready[n] for n in names), default=1.0) if compute else 1.0
-            compress_s = statistics.median(times) if kind is not Kind.DDP else 0.0
-            buckets.append(BucketCost(ready, compress_s, tuple(collectives), bucket.numel))
+    ready_of = (lambda names: max(compute.ready[n] for n in names)) if compute else None
+    buckets = _measure_buckets(
+        params, groups, exchanger, repeats, seed, ready_of, timed=kind is not Kind.DDP
+    )
     return MethodCost(method, tuple(buckets), dense_bytes, opts)
 
 
@@ -244,28 +231,47 @@ def _wrapper_cost(
     from thinwire.compress.registry import compressor as build
 
     names = [n for n, _ in reversed(params)]
-    by_name = dict(params)
     groups = ddp_buckets(params, names, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=BUCKET_CAP_MB)
     exchanger = _ThinwireEngine(
         build(options["compressor"], **options["compressor_options"]), world_size
     )
+    timed = options["compressor"] != "none"
+    buckets = _measure_buckets(params, groups, exchanger, repeats, seed, None, timed=timed)
+    dense_bytes = sum(p.numel() * 4 for _, p in params)
+    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=kind.value)
+
+
+def _measure_buckets(
+    params: list[tuple[str, Tensor]],
+    groups: list[list[str]],
+    exchanger: Exchanger,
+    repeats: int,
+    seed: int,
+    ready_of: Callable[[list[str]], float] | None,
+    *,
+    timed: bool,
+) -> list[BucketCost]:
+    """Run ``exchanger`` on each bucket of ``groups`` (one warm-up, then ``repeats``
+    timed runs on fresh random gradients): its collectives and, if ``timed``, the median
+    compression time; ``ready_of(names)`` is when the bucket is ready (default: 1.0)."""
+    by_name = dict(params)
     generator = torch.Generator().manual_seed(seed)
     buckets = []
     with one_thread():
-        for index, group in enumerate(groups):
-            bucket = _Bucket(index, [(n, by_name[n]) for n in group])
-            times, collectives = [], []
+        for index, names in enumerate(groups):
+            bucket = _Bucket(index, [(n, by_name[n]) for n in names])
+            times: list[float] = []
+            collectives: list[Collective] = []
             for run in range(repeats + 1):
                 bucket.fill(generator)
                 started = time.perf_counter()
                 collectives = exchanger(bucket, run)
                 if run:
                     times.append(time.perf_counter() - started)
-            stateless = options["compressor"] == "none"
-            compress_s = 0.0 if stateless else statistics.median(times)
-            buckets.append(BucketCost(1.0, compress_s, tuple(collectives), bucket.numel))
-    dense_bytes = sum(p.numel() * 4 for _, p in params)
-    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=kind.value)
+            ready = ready_of(names) if ready_of is not None and names else 1.0
+            compress_s = statistics.median(times) if timed else 0.0
+            buckets.append(BucketCost(ready, compress_s, tuple(collectives), bucket.numel))
+    return buckets
 
 
 # -- the bucket a hook sees -----------------------------------------------------------------

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.comm.collectives import Communicator, RoundResult, Traffic, _split_bytes
+from thinwire.comm.collectives import (
+    Communicator,
+    RoundResult,
+    Traffic,
+    _reduce_locally,
+    _split_bytes,
+)
 from thinwire.compress.base import Op, Request
 from thinwire.ps.channels import Channel, Pending, as_bytes
 
@@ -121,7 +127,7 @@ class WorkerFanIn(Communicator):
             if request.op is Op.GATHER:
                 answers.append(payloads)
             else:
-                answers.append(_combine(request.op, payloads))
+                answers.append(_reduce_locally(request.op, payloads))
         traffic = Traffic(received=size * len(buffers), collectives=1)
         if self.replies:
             reply = _message(
@@ -132,14 +138,3 @@ class WorkerFanIn(Communicator):
                 pending.wait()
             traffic.sent += reply.numel() * len(sending)
         return RoundResult(answers, poisoned, traffic)
-
-
-def _combine(op: Op, payloads: list[list[Tensor]]) -> list[Tensor]:
-    out = [t.clone() for t in payloads[0]]
-    for payload in payloads[1:]:
-        for acc, t in zip(out, payload, strict=True):
-            if op is Op.SUM:
-                acc.add_(t)
-            else:
-                torch.maximum(acc, t, out=acc)
-    return out
