@@ -16,7 +16,7 @@ DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``thinwire bench``."""
-    parser.add_argument("--task", default="fashion", help="digits, fashion or text")
+    parser.add_argument("--task", default="fashion", help="digits, fashion, text or packages")
     parser.add_argument("--workers", type=int, default=4, help="ranks = emulated hosts")
     parser.add_argument("--bandwidth", default="100mbit", help="per link, e.g. 10mbit, 1gbit")
     parser.add_argument("--latency", default="1ms", help="one-way delay between two hosts")
