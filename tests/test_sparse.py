@@ -1,6 +1,7 @@
 """Sharded embeddings: lookups and training equal one ``nn.Embedding`` on the global
-batch, duplicates and absent ids are handled, tables move between world sizes, and what
-cannot be sharded is refused with a reason."""
+batch (also converted in a DDP model, prefetched, and for the all-gather baseline),
+duplicates and absent ids are handled, tables move between world sizes, and what cannot be
+sharded is refused with a reason."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
-from thinwire.sparse import ShardedEmbedding, shard_embeddings
+from thinwire.sparse import (
+    AllGatherEmbedding,
+    ShardedEmbedding,
+    allgather_embeddings,
+    dense_embeddings,
+    shard_embeddings,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -124,6 +132,98 @@ def test_training_equals_one_embedding_on_the_global_batch(pool, kind: str) -> N
     assert (moved[touched] > 1e-3).all()
     if kind == "sparse-adam":  # lazy: rows nobody looked up stay exactly as they were
         assert (moved[absent] == 0).all()
+
+
+def train_converted(rank: int, world: int, layout: str) -> dict[str, np.ndarray]:
+    """A model with an ``nn.Embedding`` converted to ``layout``, then wrapped whole in DDP
+    (which must leave the table alone), trained with one SGD optimizer."""
+    embedding = nn.Embedding(VOCAB, DIM)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(3)))
+    model = Bag(embedding)
+    if layout == "allgather":
+        assert allgather_embeddings(model) == ["embedding"]
+    else:
+        assert shard_embeddings(model, overlap=layout != "sharded-no-overlap") == ["embedding"]
+    ddp = DistributedDataParallel(model)
+    optimizer = _optimizer("sgd", ddp.parameters())
+    outputs = []
+    for step in range(STEPS):
+        out = ddp(_ids(rank, step))
+        if layout == "sharded-prefetch" and step + 1 < STEPS:
+            model.embedding.prefetch(_ids(rank, step + 1))
+        outputs.append(out.detach().numpy().copy())
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(out, _labels(rank, step)).backward()
+        optimizer.step()
+    kind = type(model.embedding).__name__
+    assert dense_embeddings(model) == ["embedding"]
+    return {
+        "kind": kind,
+        "table": model.embedding.weight.detach().numpy(),
+        "head": torch.cat([p.detach().reshape(-1) for p in model.head.parameters()]).numpy(),
+        "outputs": np.stack(outputs),
+    }
+
+
+@pytest.mark.parametrize(
+    "layout", ["sharded", "sharded-prefetch", "sharded-no-overlap", "allgather"]
+)
+def test_converted_tables_under_ddp_train_as_one_embedding(pool, layout: str) -> None:
+    results = pool.run(train_converted, layout)
+    expected = train_reference(len(results), "sgd")
+    for rank, result in enumerate(results):
+        assert result["kind"] == (
+            "AllGatherEmbedding" if layout == "allgather" else "ShardedEmbedding"
+        )
+        np.testing.assert_allclose(result["table"], expected["table"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result["head"], expected["head"], rtol=1e-5, atol=1e-6)
+        mine = expected["outputs"][:, rank * BATCH : (rank + 1) * BATCH]
+        np.testing.assert_allclose(result["outputs"], mine, rtol=1e-5, atol=1e-6)
+
+
+def _misuse_prefetch(rank: int, world: int) -> list[str]:
+    table = ShardedEmbedding(VOCAB, DIM, seed=3)
+    messages = []
+    table.prefetch(torch.tensor([1, 2, 3]))
+    try:
+        table.prefetch(torch.tensor([1, 2, 3]))
+    except RuntimeError as error:
+        messages.append(str(error))
+    try:  # every rank passes other ids: every rank refuses, none waits for the others
+        table(torch.tensor([4, 5]))
+    except RuntimeError as error:
+        messages.append(str(error))
+    after = table(torch.tensor([6])).detach()  # the table still works afterwards
+    messages.append(str(torch.equal(after, table.full_weight()[6:7])))
+    return messages
+
+
+def test_prefetch_misuse_is_refused_with_a_reason(pool2) -> None:
+    for pending, mismatch, works in pool2.run(_misuse_prefetch):
+        assert "already waiting for its forward" in pending
+        assert "other ids than the last prefetch" in mismatch
+        assert works == "True"
+
+
+def _gathered_traffic(rank: int, world: int) -> dict[str, Any]:
+    table = AllGatherEmbedding(VOCAB, DIM, seed=3)
+    ids = torch.tensor([[5, 5, 5, 0], [36, 5, 0, 0]]) if rank == 0 else torch.tensor([[rank]])
+    table(ids).sum().backward()
+    return {"ids": table.traffic.ids, "grads": table.traffic.grads, "grad": table.weight.grad}
+
+
+def test_all_gather_sends_each_distinct_row_once_and_sums_every_ranks(pool) -> None:
+    results = pool.run(_gathered_traffic)
+    world = len(results)
+    assert results[0]["ids"] == (3 + 1) * 8 and results[0]["grads"] == 3 * DIM * 4
+    expected = torch.zeros(VOCAB, DIM)
+    for row, uses in ((5, 4), (0, 3), (36, 1)):  # rank 0's sum of ones per use
+        expected[row] += uses / world
+    for r in range(1, world):
+        expected[r] += 1 / world
+    for result in results:
+        torch.testing.assert_close(result["grad"], expected)
 
 
 def _lookups(rank: int, world: int) -> dict[str, Any]:

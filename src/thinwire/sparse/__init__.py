@@ -1,6 +1,22 @@
 """Sparse embeddings: tables sharded by rows over the data-parallel ranks, looked up and
-updated with all-to-all messages that carry only the rows a batch uses."""
+updated with all-to-all messages that carry only the rows a batch uses, and the sparse
+all-gather baseline they are measured against."""
 
-from thinwire.sparse.embedding import ShardedEmbedding, SparseTraffic, shard_embeddings
+from thinwire.sparse.allgather import AllGatherEmbedding
+from thinwire.sparse.convert import (
+    allgather_embeddings,
+    dense_embeddings,
+    shard_embeddings,
+    sparse_table_parameters,
+)
+from thinwire.sparse.embedding import ShardedEmbedding, SparseTraffic
 
-__all__ = ["ShardedEmbedding", "SparseTraffic", "shard_embeddings"]
+__all__ = [
+    "AllGatherEmbedding",
+    "ShardedEmbedding",
+    "SparseTraffic",
+    "allgather_embeddings",
+    "dense_embeddings",
+    "shard_embeddings",
+    "sparse_table_parameters",
+]

@@ -16,13 +16,33 @@ equal-sized batch, the owner's gradient is the gradient of the global batch's me
 and the table trains exactly as one ``nn.Embedding`` would on the global batch. Only looked
 up rows travel, each once per rank and step however often the batch repeats it.
 
-Every rank must call forward and backward the same number of times in the same order
-(they are collectives). Dense parameters stay data parallel (DDP or a thinwire
-compressor): wrap only them, since each rank's shard differs by design.
+The schedule (``overlap=True``, the default) keeps the table's traffic off the critical
+path where it can and never queues it behind the dense gradients::
+
+    step t:   forward(ids_t)        route_t was exchanged during step t-1; rows fetched now
+              prefetch(ids_t+1)     counts + ids of the next batch, on a background thread
+              backward              head buckets: DDP's all-reduce (its own process group)
+                                    table: row gradients to their owners, at the same time
+              optimizer.step()      every owner updates its rows
+
+Three process groups of the same ranks carry the three streams: DDP's (the data-parallel
+group), the lookups' (rows and row gradients, in program order on the training thread) and
+the prefetch's (the next batch's ids, on the prefetch thread), so gloo runs them side by
+side instead of one behind another. What is needed first goes first: the next forward's ids
+leave as soon as the batch is known (a step ahead), the rows leave the moment the forward
+asks for them (they cannot leave earlier: the last step's update must land first), and the
+row gradients leave as soon as autograd reaches the table, beside the dense all-reduce that
+DDP started earlier in the backward pass.
+
+Every rank must call forward, backward and :meth:`ShardedEmbedding.prefetch` the same
+number of times in the same order (they are collectives). Dense parameters stay data
+parallel (DDP or a thinwire compressor); :func:`thinwire.sparse.shard_embeddings` tells DDP
+to leave the tables alone, since each rank's shard differs by design.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +56,7 @@ class Route:
     """Where one batch's unique ids go: ``unique`` (sorted), ``inverse`` (position of each
     looked-up id in ``unique``), ``order`` (unique positions grouped by owner),
     ``send_counts``/``recv_counts`` (ids per peer), ``served`` (local rows this rank
-    serves, in arrival order)."""
+    serves, in arrival order), ``id_bytes`` (what this rank sent to route them)."""
 
     unique: Tensor
     inverse: Tensor
@@ -44,6 +64,7 @@ class Route:
     send_counts: list[int]
     recv_counts: list[int]
     served: Tensor
+    id_bytes: int
 
 
 @dataclass
@@ -58,6 +79,19 @@ class SparseTraffic:
     def total(self) -> int:
         """All three together."""
         return self.ids + self.rows + self.grads
+
+
+def check_ids(ids: Tensor, num_embeddings: int) -> Tensor:
+    """``ids`` flattened to int64, or an error naming what is wrong with them."""
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+    flat = ids.reshape(-1).to(torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_embeddings):
+        raise IndexError(
+            f"ids must lie in [0, {num_embeddings}); got values from "
+            f"{int(flat.min())} to {int(flat.max())}"
+        )
+    return flat
 
 
 class ShardedEmbedding(nn.Module):
@@ -75,6 +109,10 @@ class ShardedEmbedding(nn.Module):
         sparse_grad: give ``weight`` a sparse gradient (rows touched by any rank only), for
             ``torch.optim.SparseAdam`` or sparse-aware SGD; default: a dense gradient, for
             any optimizer (untouched rows get zero gradient, as in ``nn.Embedding``).
+        overlap: carry lookups and prefetches on process groups of their own (created
+            here: a collective of every rank of the default group), so that they run beside
+            DDP's all-reduce and :meth:`prefetch` can work in the background; ``False``:
+            everything on ``group``, in program order.
     """
 
     def __init__(
@@ -85,6 +123,7 @@ class ShardedEmbedding(nn.Module):
         group: dist.ProcessGroup | None = None,
         seed: int = 0,
         sparse_grad: bool = False,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -100,46 +139,87 @@ class ShardedEmbedding(nn.Module):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.sparse_grad = sparse_grad
+        self.overlap = overlap
+        if overlap:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            self._lookup_group = dist.new_group(ranks)
+            self._prefetch_group = dist.new_group(ranks)
+        else:
+            self._lookup_group = self._prefetch_group = group
         full = torch.randn(
             num_embeddings, embedding_dim, generator=torch.Generator().manual_seed(seed)
         )
         self.weight = nn.Parameter(full[self.rank :: self.world].clone())
         self.traffic = SparseTraffic()
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._pending: tuple[Tensor, Future[Route]] | None = None
 
     # -- the lookup ---------------------------------------------------------------------
 
     def forward(self, ids: Tensor) -> Tensor:
-        """Embedding vectors of ``ids`` (integer tensor of any shape): ``ids.shape + (D,)``."""
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
-        flat = ids.reshape(-1).to(torch.int64)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(
-                f"ids must lie in [0, {self.num_embeddings}); got values from "
-                f"{int(flat.min())} to {int(flat.max())}"
-            )
-        route = self.route(flat)
+        """Embedding vectors of ``ids`` (integer tensor of any shape): ``ids.shape + (D,)``.
+
+        If :meth:`prefetch` was called, ``ids`` must be the ids it was given (every rank
+        decided to use the prefetched routes; a rank that recomputed would hang the rest).
+        """
+        flat = check_ids(ids, self.num_embeddings)
+        if self._pending is not None:
+            expected, future = self._pending
+            self._pending = None
+            route = future.result()  # re-raises what failed on the prefetch thread
+            if not torch.equal(expected, flat):
+                raise RuntimeError(
+                    "ShardedEmbedding: forward got other ids than the last prefetch(); pass "
+                    "prefetch() exactly the ids of the next lookup (or do not prefetch)"
+                )
+        else:
+            route = self.route(flat, self._lookup_group)
+        self.traffic = SparseTraffic(ids=route.id_bytes)
         out = _Lookup.apply(self.weight, route, self)
         return out.view(*ids.shape, self.embedding_dim)
 
-    def route(self, flat_ids: Tensor) -> Route:
-        """Deduplicate ``flat_ids``, group them by owner and exchange them (collective)."""
+    def prefetch(self, ids: Tensor) -> None:
+        """Start routing the next lookup's ``ids`` in the background (deduplicate, exchange
+        counts and ids) while this step computes; the next :meth:`forward` must get the
+        same ids. A collective: every rank prefetches before the same forward."""
+        if not self.overlap:
+            raise RuntimeError(
+                "ShardedEmbedding(overlap=False) has no background process group to prefetch "
+                "on; build it with overlap=True"
+            )
+        if self._pending is not None:
+            raise RuntimeError(
+                "ShardedEmbedding: a prefetch is already waiting for its forward; call "
+                "forward with its ids before prefetching the next batch"
+            )
+        flat = check_ids(ids, self.num_embeddings).clone()
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="thinwire-prefetch")
+        self._pending = (flat, self._prefetcher.submit(self.route, flat, self._prefetch_group))
+
+    def route(self, flat_ids: Tensor, group: dist.ProcessGroup | None = None) -> Route:
+        """Deduplicate ``flat_ids``, group them by owner and exchange them (collective on
+        ``group``, default: the table's)."""
+        group = group if group is not None else self.group
         unique, inverse = torch.unique(flat_ids, sorted=True, return_inverse=True)
         owners = unique % self.world
         order = torch.argsort(owners, stable=True)
         send = torch.bincount(owners, minlength=self.world)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        dist.all_to_all_single(recv, send, group=group)
         send_counts, recv_counts = send.tolist(), recv.tolist()
         wanted = torch.empty(sum(recv_counts), dtype=torch.int64)
-        dist.all_to_all_single(wanted, unique[order], recv_counts, send_counts, group=self.group)
-        self.traffic = SparseTraffic(ids=(unique.numel() + self.world) * 8)
-        return Route(unique, inverse, order, send_counts, recv_counts, wanted // self.world)
+        dist.all_to_all_single(wanted, unique[order], recv_counts, send_counts, group=group)
+        id_bytes = (unique.numel() + self.world) * 8
+        served = wanted // self.world
+        return Route(unique, inverse, order, send_counts, recv_counts, served, id_bytes)
 
     def exchange_rows(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
         """``all_to_all_single`` of ``(n, D)`` rows with uneven splits (collective)."""
         out = rows.new_empty(sum(recv_counts), self.embedding_dim)
-        dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(
+            out, rows.contiguous(), recv_counts, send_counts, group=self._lookup_group
+        )
         return out
 
     # -- the whole table ----------------------------------------------------------------
@@ -208,55 +288,3 @@ class _Lookup(torch.autograd.Function):
         else:
             grad = grad_out.new_zeros(shape).index_add_(0, route.served, at_owner)
         return grad, None, None
-
-
-def shard_embeddings(
-    model: nn.Module, *, group: dist.ProcessGroup | None = None, sparse_grad: bool = False
-) -> list[str]:
-    """Replace every ``nn.Embedding`` in ``model`` by a :class:`ShardedEmbedding` holding
-    rank 0's table (collective); return the replaced modules' names.
-
-    Refused, naming the module and what to do: an embedding whose weight is tied to another
-    parameter (a tied output projection would need the whole table on every rank), and
-    ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``.
-    """
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
-    replaced = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Embedding):
-            continue
-        shared = names_of.get(id(module.weight), [])
-        if len(shared) > 1:
-            raise ValueError(
-                f"embedding {name!r} shares its weight with {', '.join(shared[1:])} (a tied "
-                "output projection?); a sharded table cannot also serve as a dense layer on "
-                "every rank: untie them (give the output layer its own weight) or leave this "
-                "embedding dense"
-            )
-        unsupported = [
-            option
-            for option, value in (
-                ("padding_idx", module.padding_idx),
-                ("max_norm", module.max_norm),
-                ("scale_grad_by_freq", module.scale_grad_by_freq or None),
-            )
-            if value is not None
-        ]
-        if unsupported:
-            raise ValueError(
-                f"embedding {name!r} uses {', '.join(unsupported)}, which ShardedEmbedding "
-                "does not support; drop the option(s) or leave this embedding dense"
-            )
-        table = module.weight.detach().clone()
-        dist.broadcast(table, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        sharded = ShardedEmbedding(
-            module.num_embeddings, module.embedding_dim, group=group, sparse_grad=sparse_grad
-        )
-        sharded.load_full_weight(table)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, sharded)
-        replaced.append(name)
-    return replaced

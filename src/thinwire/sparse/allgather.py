@@ -1,0 +1,119 @@
+"""The sparse all-gather baseline: a replicated table whose gradient travels as
+(row ids, row gradients) pairs.
+
+Every rank holds the whole ``V x D`` table, so a lookup is local. Its backward pass sums the
+gradient of each distinct id the batch used (``u`` rows), and every rank all-gathers every
+other rank's ``u`` ids and ``u x D`` gradients, then adds them all (divided by W, as DDP
+averages) into a full-table gradient: each rank ends the step with the same gradient DDP's
+dense all-reduce would have produced, having moved only looked-up rows. What it costs grows
+with the number of ranks (each rank receives every other rank's rows), where the sharded
+table's all-to-all sends each row to one owner only; this is the baseline
+:class:`~thinwire.sparse.ShardedEmbedding` is measured against, beside plain DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from thinwire.sparse.embedding import SparseTraffic, check_ids
+
+
+class AllGatherEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, embedding_dim)`` replicated on every rank of
+    ``group``, its gradient exchanged as all-gathered (ids, rows) (see the module
+    docstring). Forward is local; backward is a collective.
+
+    Args:
+        num_embeddings: V, the number of rows.
+        embedding_dim: D.
+        group: the data-parallel process group (default: the global one).
+        seed: the table is drawn from N(0, 1) with this seed (the same on every rank).
+        sparse_grad: give ``weight`` a sparse gradient (the rows any rank touched), for
+            ``torch.optim.SparseAdam``; default: dense, for any optimizer.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        sparse_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) first (or launch with torchrun)"
+            )
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.sparse_grad = sparse_grad
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim, generator=generator))
+        self.traffic = SparseTraffic()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Embedding vectors of ``ids`` (integer tensor of any shape): ``ids.shape + (D,)``."""
+        flat = check_ids(ids, self.num_embeddings)
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        out = _GatherLookup.apply(self.weight, unique, inverse, self)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def gather_rows(self, unique: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+        """Every rank's (ids, row gradients), concatenated in rank order (collective)."""
+        count = torch.tensor([unique.numel()], dtype=torch.int64)
+        counts = [torch.empty_like(count) for _ in range(self.world)]
+        dist.all_gather(counts, count, group=self.group)
+        sizes = [int(c) for c in counts]
+        longest = max(sizes)
+        # one all-gather for ids and rows together: the ids ride as float64 bit patterns
+        packed = grads.new_zeros(longest, 2 + self.embedding_dim)
+        packed[: unique.numel(), :2] = unique.view(torch.float32).view(-1, 2)
+        packed[: unique.numel(), 2:] = grads
+        gathered = [torch.empty_like(packed) for _ in range(self.world)]
+        dist.all_gather(gathered, packed, group=self.group)
+        self.traffic.ids = (unique.numel() + 1) * 8
+        self.traffic.grads = grads.numel() * grads.element_size()
+        every = torch.cat([g[:n] for g, n in zip(gathered, sizes, strict=True)])
+        ids = every[:, :2].contiguous().view(torch.int64).view(-1)
+        return ids, every[:, 2:]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, replicated on {self.world} ranks"
+
+
+class _GatherLookup(torch.autograd.Function):
+    """Forward: a local lookup; backward: all-gather (ids, row gradients), sum them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, weight: Tensor, unique: Tensor, inverse: Tensor, table: AllGatherEmbedding
+    ) -> Tensor:
+        ctx.save_for_backward(unique, inverse)
+        ctx.table = table
+        return weight.detach().index_select(0, unique).index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None, None]:
+        unique, inverse = ctx.saved_tensors
+        table: AllGatherEmbedding = ctx.table
+        per_unique = grad_out.new_zeros(unique.numel(), table.embedding_dim)
+        per_unique.index_add_(0, inverse, grad_out.reshape(-1, table.embedding_dim))
+        per_unique.div_(table.world)
+        ids, rows = table.gather_rows(unique, per_unique)
+        shape = table.weight.shape
+        if table.sparse_grad:
+            grad = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, shape).coalesce()
+        else:
+            grad = grad_out.new_zeros(shape).index_add_(0, ids, rows)
+        return grad, None, None, None
