@@ -99,6 +99,47 @@ def test_delayed_averaging_and_parameter_servers_run_in_the_bench(tmp_path: Path
         parse_methods("ps-async", {"ps-async": {"momentum": 1.5}})
 
 
+def test_sparse_embedding_methods_train_as_dense_ddp_with_far_fewer_bytes(
+    tmp_path: Path,
+) -> None:
+    config = BenchConfig(
+        task="packages",
+        task_options={"vocab_size": 4096, "batch_size": 8},
+        methods=parse_methods("dense,emb-allgather,emb-sharded"),
+        workers=2,
+        steps=4,
+        lr=1.0,
+        network="loopback",
+    )
+    by = {r["method"]: r for r in run_bench(config, tmp_path)}
+    for method in ("emb-allgather", "emb-sharded"):
+        # the same updates as DDP's dense all-reduce, and the same model at the end
+        assert by[method]["loss_history"] == pytest.approx(by["dense"]["loss_history"], rel=1e-5)
+        assert by[method]["eval_value"] == pytest.approx(by["dense"]["eval_value"], abs=2e-3)
+        # 8 snippets of 64 words touch a few hundred of 4096 rows: far fewer bytes
+        assert by[method]["bytes_sent_per_step"] < by["dense"]["bytes_sent_per_step"] / 4
+    assert by["emb-sharded"]["options"] == {
+        "overlap": True,
+        "prefetch": True,
+        "compressor": "none",
+        "compressor_options": {},
+    }
+
+
+def test_sparse_embedding_methods_refuse_what_they_cannot_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="prefetch needs overlap"):
+        parse_methods("emb-sharded", {"emb-sharded": {"overlap": False}})
+    with pytest.raises(ValueError, match="applies momentum itself"):
+        parse_methods("emb-allgather", {"emb-allgather": {"compressor": "dgc"}})
+    with pytest.raises(ValueError, match="overlap must be true or false"):
+        parse_methods("emb-sharded", {"emb-sharded": {"overlap": "yes", "prefetch": False}})
+    config = BenchConfig(
+        task="digits", methods=parse_methods("emb-sharded"), workers=2, steps=2, network="loopback"
+    )
+    with pytest.raises(RuntimeError, match=r"needs a model with nn\.Embedding layers"):
+        run_bench(config, tmp_path)
+
+
 def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     config = BenchConfig(
         task="digits",

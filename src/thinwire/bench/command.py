@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 #: learning rates that train each task well with SGD (momentum 0.9) at its default batch
-DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5}
+DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5, "packages": 1.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,10 +1,12 @@
 """How each benchmark method wraps a model for data parallelism.
 
 The methods themselves (``local``, ``dense``, ``ddp-fp16``, ``ddp-powersgd``, ``dga``,
-``ps-sync``, ``ps-async`` and every thinwire compressor), their defaults and the validation
-of their options are named once, in :mod:`thinwire.plan.methods`, which the cost model
-shares. Here they become models: DDP with PyTorch's own hooks, DDP with a thinwire
-compressor registered, or thinwire's delayed-averaging and parameter-server front ends.
+``ps-sync``, ``ps-async``, ``emb-allgather``, ``emb-sharded`` and every thinwire
+compressor), their defaults and the validation of their options are named once, in
+:mod:`thinwire.plan.methods`, which the cost model shares. Here they become models: DDP
+with PyTorch's own hooks, DDP with a thinwire compressor registered, thinwire's
+delayed-averaging and parameter-server front ends, or a model whose embeddings were made
+sparse (:func:`prepare`, before the optimizer is built) with DDP for the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +21,19 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
-from thinwire.plan.methods import WRAPPER_KINDS, Kind, method_kind, method_options
+from thinwire.plan.methods import (
+    EMBEDDING_KINDS,
+    WRAPPER_KINDS,
+    Kind,
+    method_kind,
+    method_options,
+)
+from thinwire.sparse import (
+    ShardedEmbedding,
+    allgather_embeddings,
+    dense_embeddings,
+    shard_embeddings,
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +57,7 @@ class Method:
         """The thinwire compressor the method sends through, if any."""
         if self.kind is Kind.THINWIRE:
             return thinwire.compressor(self.name, **self.options)
-        if self.kind in WRAPPER_KINDS:
+        if self.kind in WRAPPER_KINDS or self.kind in EMBEDDING_KINDS:
             return thinwire.compressor(
                 self.options["compressor"], **self.options["compressor_options"]
             )
@@ -54,12 +68,36 @@ class Method:
 class Wrapped:
     """A model made data parallel: the ``model`` to call, the ``optimizer`` front end to
     step (the plain optimizer under DDP), the thinwire ``engine`` if any, and ``finish``,
-    which leaves every rank with the agreed weights (DGA's flush, the server's close)."""
+    which leaves every rank with the agreed weights (DGA's flush, the server's close: part
+    of training, its traffic counted), ``export``, which makes the model evaluable on one
+    rank after the measurements (sharded tables made whole), and ``lookahead``, if set,
+    which takes the next step's input as soon as it is known (the sharded table's
+    prefetch)."""
 
     model: nn.Module
     optimizer: Any
     engine: thinwire.GradientExchange | None = None
     finish: Callable[[], None] = lambda: None
+    export: Callable[[], None] = lambda: None
+    lookahead: Callable[[torch.Tensor], None] | None = None
+
+
+def prepare(method: Method, model: nn.Module) -> nn.Module:
+    """``model`` as ``method`` trains it, before its optimizer is built: the embedding
+    methods replace its ``nn.Embedding`` layers (a collective); the others keep it."""
+    kind = method.kind
+    if kind not in EMBEDDING_KINDS:
+        return model
+    if kind is Kind.EMB_SHARDED:
+        names = shard_embeddings(model, overlap=method.options["overlap"])
+    else:
+        names = allgather_embeddings(model)
+    if not names:
+        raise ValueError(
+            f"method {method.name!r} needs a model with nn.Embedding layers, and this task's "
+            "has none; choose a task with a large embedding (e.g. --task packages)"
+        )
+    return model
 
 
 def parse_methods(
@@ -133,6 +171,8 @@ def wrap(
             **options["compressor_options"],
         )
         return Wrapped(model, ps, None, ps.close)
+    if kind in EMBEDDING_KINDS:
+        return _wrap_embedding_model(method, model, optimizer, bucket_cap_mb)
     if kind is Kind.DDP_POWERSGD:
         # powerSGD_hook issues its Q all-reduce from a future callback; with several
         # buckets on gloo the ranks then issue collectives in different orders (a gloo
@@ -154,3 +194,33 @@ def wrap(
         return Wrapped(ddp, optimizer)
     engine = thinwire.register(ddp, method.name, optimizer=optimizer, **method.options)
     return Wrapped(ddp, optimizer, engine)
+
+
+def _wrap_embedding_model(
+    method: Method,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    bucket_cap_mb: float | None,
+) -> Wrapped:
+    """A model :func:`prepare` made sparse, under DDP (which leaves the tables alone), with
+    the dense part's compressor if one is named."""
+    buckets = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **buckets)
+    options = method.options
+    engine = None
+    if options["compressor"] != "none":
+        engine = thinwire.register(
+            ddp, options["compressor"], optimizer=optimizer, **options["compressor_options"]
+        )
+    tables = [m for m in model.modules() if isinstance(m, ShardedEmbedding)]
+    lookahead = None
+    if options.get("prefetch"):
+        if len(tables) != 1:
+            raise ValueError(
+                f"{method.name}: prefetch hands the next input to the model's one sharded "
+                f"table, and this model has {len(tables)}; run it with prefetch false"
+            )
+        lookahead = tables[0].prefetch
+    return Wrapped(
+        ddp, optimizer, engine, export=lambda: dense_embeddings(model), lookahead=lookahead
+    )

@@ -36,6 +36,7 @@ from thinwire.bench.worker import (
 )
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.launch import LocalPool, Placement
+from thinwire.plan.methods import EMBEDDING_KINDS
 
 
 @dataclass(frozen=True)
@@ -283,13 +284,16 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
     from thinwire.plan import Link, profile_model
     from thinwire.tasks import task as build_task
 
+    modelled = {m.name: m.options for m in config.methods if m.kind not in EMBEDDING_KINDS}
+    if not modelled:
+        return
     task = build_task(config.task, seed=config.seed, **config.task_options)
     buckets = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
     profile = profile_model(
         task.build_model(),
         task.batch(0, config.workers, 0),
         task.loss,
-        {m.name: m.options for m in config.methods},
+        modelled,
         world_size=config.workers,
         **buckets,
     )
@@ -298,7 +302,7 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
         return  # unlimited links: nothing for an alpha-beta model to predict
     link = Link(emulated.rate_bps, emulated.latency_s, mtu=emulated.mtu)
     local = next((r["step_s_median"] for r in records if r["method"] == "local"), None)
-    for record in records:
+    for record in (r for r in records if r["method"] in modelled):
         predicted = profile.predict(record["method"], link, compute=local).as_dict()
         predicted["error"] = predicted["step_s"] / record["step_s_median"] - 1
         record["predicted"] = predicted

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.bench.methods import Method, wrap
+from thinwire.bench.methods import Method, prepare, wrap
 from thinwire.tasks import task as build_task
 
 
@@ -77,7 +77,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     (on rank 0) the held-out metric."""
     torch.manual_seed(job.seed)
     task = build_task(job.task, seed=job.seed, **job.task_options)
-    model = task.build_model()
+    model = prepare(job.method, task.build_model())
     own_momentum = job.method.applies_momentum
     momentum = job.method.options.get("momentum")  # ps-async's own, if given
     optimizer = torch.optim.SGD(
@@ -98,14 +98,19 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     began = time.perf_counter()
     wire_before = interface_bytes(job.interface)
     factor = LR_SCHEDULES[job.lr_schedule]
+    upcoming = task.batch(rank, world_size, 0)
     for step in range(job.steps):
         for group in stepper.param_groups:
             group["lr"] = job.lr * factor(step, job.steps)
         if step == job.measure_from:
             wire_before = interface_bytes(job.interface)
         t0 = time.perf_counter()
-        x, y = task.batch(rank, world_size, step)
+        x, y = upcoming
         loss = task.loss(wrapped(x), y)
+        if step + 1 < job.steps:  # the next batch, known now (and prefetched, if asked)
+            upcoming = task.batch(rank, world_size, step + 1)
+            if parallel.lookahead is not None:
+                parallel.lookahead(upcoming[0])
         t1 = time.perf_counter()
         stepper.zero_grad(set_to_none=True)
         loss.backward()
@@ -121,6 +126,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
             _report(job.progress, step + 1, losses[-1])
     parallel.finish()  # every rank holds the agreed weights (DGA, parameter server)
     wire_after = interface_bytes(job.interface)
+    parallel.export()  # the model evaluable on rank 0 (not training traffic: not counted)
     measured = slice(job.measure_from, job.steps)
     counted_steps = max(1, job.steps - job.measure_from)
     shared = 1 if job.interface != "lo" else world_size

@@ -10,6 +10,8 @@ A *method* is one way of exchanging gradients in a data-parallel step:
 ``dga``            ``thinwire.DelayedAveraging`` (options: ``delay``, ``lanes``, ``compressor``)
 ``ps-sync``        ``thinwire.ParameterServer``, synchronous (``servers``, ``compressor``)
 ``ps-async``       ``thinwire.ParameterServer``, asynchronous (``servers``, ``staleness``, ...)
+``emb-allgather``  embeddings replicated, their gradients all-gathered as (ids, rows); DDP
+``emb-sharded``    embeddings sharded over the ranks (``thinwire.sparse``); DDP for the rest
 any compressor     DDP with ``thinwire.register(ddp_model, name, **options)``
 =================  ==========================================================================
 
@@ -18,6 +20,13 @@ any compressor     DDP with ``thinwire.register(ddp_model, name, **options)``
 ``momentum``: the servers' momentum in place of the run's (``None``: the run's). Stale
 gradients act as momentum of their own (Mitliagkas et al. 2016, "Asynchrony begets
 momentum"), so asynchronous training usually wants less explicit momentum.
+
+``emb-allgather`` and ``emb-sharded`` need a task whose model has ``nn.Embedding`` layers
+(``packages``); its other parameters go through DDP, with ``compressor`` (default ``none``:
+DDP's own all-reduce) if given. ``emb-sharded`` also takes ``overlap`` (the tables' own
+process groups) and ``prefetch`` (route the next batch's ids during this step; needs
+``overlap`` and a model that looks its input up in one table). The cost model does not
+model them: ``thinwire bench`` measures them.
 
     method_kind("dgc")          # Kind.THINWIRE
     method_options("ddp-powersgd", {"matrix_approximation_rank": 2})
@@ -43,10 +52,15 @@ class Kind(enum.Enum):
     DGA = "dga"  #: thinwire.DelayedAveraging
     PS_SYNC = "ps-sync"  #: thinwire.ParameterServer(mode="sync")
     PS_ASYNC = "ps-async"  #: thinwire.ParameterServer(mode="async")
+    EMB_ALLGATHER = "emb-allgather"  #: thinwire.sparse.AllGatherEmbedding + DDP
+    EMB_SHARDED = "emb-sharded"  #: thinwire.sparse.ShardedEmbedding + DDP
 
 
 #: the kinds that send a thinwire compressor's payloads without DDP
 WRAPPER_KINDS = (Kind.DGA, Kind.PS_SYNC, Kind.PS_ASYNC)
+
+#: the kinds that move embedding tables sparsely (and the rest through DDP)
+EMBEDDING_KINDS = (Kind.EMB_ALLGATHER, Kind.EMB_SHARDED)
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,18 @@ BUILTIN_METHODS: dict[str, Method] = {
                 "compressor": "none",
                 "compressor_options": {},
             },
+        ),
+        Method(
+            "emb-allgather",
+            Kind.EMB_ALLGATHER,
+            "embedding gradients all-gathered as (row ids, rows); DDP for the rest",
+            {"compressor": "none", "compressor_options": {}},
+        ),
+        Method(
+            "emb-sharded",
+            Kind.EMB_SHARDED,
+            "embedding rows sharded over the ranks, all-to-all lookups; DDP for the rest",
+            {"overlap": True, "prefetch": True, "compressor": "none", "compressor_options": {}},
         ),
     )
 }
@@ -158,7 +184,7 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
             raise ValueError("give ddp-powersgd either rank or matrix_approximation_rank, not both")
         given["matrix_approximation_rank"] = given.pop("rank")
     merged = {**BUILTIN_METHODS[name].defaults, **given}
-    if kind in WRAPPER_KINDS:
+    if kind in WRAPPER_KINDS or kind in EMBEDDING_KINDS:
         _check_wrapper_options(name, merged, set(given) - set(BUILTIN_METHODS[name].defaults))
         return merged
     accepted = _powersgd_options() if kind is Kind.DDP_POWERSGD else set()
@@ -201,9 +227,20 @@ def _check_wrapper_options(name: str, merged: dict[str, Any], unknown: set[str])
         raise ValueError(
             f"{name}: compressor_options must be a dict, got {merged['compressor_options']!r}"
         )
+    for key in ("overlap", "prefetch"):
+        if key in merged and not isinstance(merged[key], bool):
+            raise ValueError(f"{name}: {key} must be true or false, got {merged[key]!r}")
+    if merged.get("prefetch") and not merged.get("overlap", True):
+        raise ValueError(f"{name}: prefetch needs overlap (the prefetch's own process group)")
     from thinwire.compress.registry import compressor
 
-    compressor(merged["compressor"], **merged["compressor_options"])  # unknown name or option
+    built = compressor(merged["compressor"], **merged["compressor_options"])  # unknown name?
+    if name.startswith("emb-") and built.applies_momentum:
+        raise ValueError(
+            f"{name}: compressor {merged['compressor']!r} applies momentum itself, which would "
+            "take it from the tables' optimizer too; choose one that leaves momentum to the "
+            "optimizer (e.g. powersgd, onebit, fp16)"
+        )
 
 
 def _powersgd_options() -> set[str]:

@@ -40,7 +40,13 @@ from thinwire.plan.cost import (
     StepPrediction,
     predict_step,
 )
-from thinwire.plan.methods import WRAPPER_KINDS, Kind, method_kind, method_options
+from thinwire.plan.methods import (
+    EMBEDDING_KINDS,
+    WRAPPER_KINDS,
+    Kind,
+    method_kind,
+    method_options,
+)
 
 #: DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``)
 FIRST_BUCKET_MB = 1.0
@@ -193,6 +199,11 @@ def measure_method(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     kind = method_kind(method)
     opts = method_options(method, options)
+    if kind in EMBEDDING_KINDS:
+        raise ValueError(
+            f"the cost model does not model {method!r} (its traffic depends on the ids each "
+            "batch looks up); measure it with thinwire bench"
+        )
     params = [(n, p) for n, p in params]
     dense_bytes = sum(p.numel() * 4 for _, p in params)
     if kind is Kind.LOCAL:
