@@ -20,6 +20,9 @@ from thinwire.sparse import (
     ShardedEmbedding,
     allgather_embeddings,
     dense_embeddings,
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
     shard_embeddings,
 )
 
@@ -282,6 +285,82 @@ def test_a_table_saved_on_two_ranks_loads_on_four(pool2, pool4, tmp_path: Path) 
         torch.testing.assert_close(saved[r::2], expected * (r + 2))
     for lookup in pool4.run(_load, path):
         np.testing.assert_array_equal(lookup, saved.numpy())
+
+
+def _sharded_model() -> nn.Module:
+    embedding = nn.Embedding(VOCAB, DIM)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(3)))
+    model = Bag(embedding)
+    shard_embeddings(model)
+    return model
+
+
+def _train_steps(rank: int, model: nn.Module, optimizer: Any, steps: range) -> None:
+    ddp = DistributedDataParallel(model)
+    for step in steps:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(_ids(rank, step)), _labels(rank, step)).backward()
+        optimizer.step()
+
+
+def _save_checkpoint(rank: int, world: int, kind: str, path: str) -> None:
+    model = _sharded_model()
+    optimizer = _optimizer(kind, model.parameters())
+    _train_steps(rank, model, optimizer, range(3))
+    state = {
+        "model": full_state_dict(model),
+        "optimizer": full_optimizer_state_dict(optimizer, model),
+    }
+    if rank == 0:
+        torch.save(state, path)
+
+
+def _resume(
+    rank: int, world: int, kind: str, path: str, with_optimizer: bool
+) -> dict[str, np.ndarray]:
+    model = _sharded_model()
+    optimizer = _optimizer(kind, model.parameters())
+    saved = torch.load(path)
+    model.load_state_dict(saved["model"])
+    if with_optimizer:
+        load_full_optimizer_state_dict(optimizer, model, saved["optimizer"])
+    _train_steps(rank, model, optimizer, range(3, STEPS))
+    return {"table": model.embedding.full_weight().numpy()}
+
+
+def _reference_across_world_sizes(kind: str, worlds: list[int]) -> np.ndarray:
+    """One process: step ``s`` trains on the global batch of ``worlds[s]`` ranks."""
+    embedding = nn.Embedding(VOCAB, DIM)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(3)))
+    model = Bag(embedding)
+    optimizer = _optimizer(kind, model.parameters())
+    for step, world in enumerate(worlds):
+        ids = torch.cat([_ids(r, step) for r in range(world)])
+        labels = torch.cat([_labels(r, step) for r in range(world)])
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(ids), labels).backward()
+        optimizer.step()
+    return embedding.weight.detach().numpy()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_training_saved_on_two_ranks_resumes_on_four_with_its_optimizer_state(
+    pool2, pool4, tmp_path: Path, kind: str
+) -> None:
+    path = str(tmp_path / "checkpoint.pt")
+    pool2.run(_save_checkpoint, kind, path)
+    saved = torch.load(path)
+    assert tuple(saved["model"]["embedding.weight"].shape) == (VOCAB, DIM)
+    per_row = [v for v in saved["optimizer"]["state"][0].values() if v.dim() == 2]
+    assert per_row and all(tuple(v.shape) == (VOCAB, DIM) for v in per_row)
+    expected = _reference_across_world_sizes(kind, [2] * 3 + [4] * (STEPS - 3))
+    for result in pool4.run(_resume, kind, path, True):
+        np.testing.assert_allclose(result["table"], expected, rtol=1e-5, atol=1e-6)
+    # the optimizer's state matters: resuming without it ends elsewhere
+    for result in pool4.run(_resume, kind, path, False):
+        assert not np.allclose(result["table"], expected, atol=1e-4)
 
 
 def _convert(rank: int, world: int, case: str) -> str:

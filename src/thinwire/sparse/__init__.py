@@ -3,6 +3,11 @@ updated with all-to-all messages that carry only the rows a batch uses, and the 
 all-gather baseline they are measured against."""
 
 from thinwire.sparse.allgather import AllGatherEmbedding
+from thinwire.sparse.checkpoint import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+)
 from thinwire.sparse.convert import (
     allgather_embeddings,
     dense_embeddings,
@@ -17,6 +22,9 @@ __all__ = [
     "SparseTraffic",
     "allgather_embeddings",
     "dense_embeddings",
+    "full_optimizer_state_dict",
+    "full_state_dict",
+    "load_full_optimizer_state_dict",
     "shard_embeddings",
     "sparse_table_parameters",
 ]

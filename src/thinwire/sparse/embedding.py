@@ -230,27 +230,66 @@ class ShardedEmbedding(nn.Module):
 
     def full_weight(self) -> Tensor:
         """The whole ``V x D`` table, on every rank (collective: an all-gather of shards)."""
-        counts = [len(range(r, self.num_embeddings, self.world)) for r in range(self.world)]
-        padded = max(counts)
-        mine = torch.zeros(padded, self.embedding_dim, dtype=self.weight.dtype)
-        mine[: self.weight.shape[0]] = self.weight.detach()
-        shards = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(shards, mine, group=self.group)
-        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
-        for r, (shard, count) in enumerate(zip(shards, counts, strict=True)):
-            full[r :: self.world] = shard[:count]
-        return full
+        return self.gather_shards(self.weight.detach())
 
     def load_full_weight(self, full: Tensor) -> None:
         """Take this rank's rows of a whole ``V x D`` table (e.g. saved by
         :meth:`full_weight` on any number of ranks)."""
-        if tuple(full.shape) != (self.num_embeddings, self.embedding_dim):
+        with torch.no_grad():
+            self.weight.copy_(self.own_rows(full))
+
+    def gather_shards(self, shard: Tensor) -> Tensor:
+        """The whole-table form of ``shard``, any tensor laid out like this rank's
+        ``weight`` rows (the weight, an optimizer's momentum or moments), on every rank
+        (collective: an all-gather of every rank's)."""
+        if shard.shape[:1] != self.weight.shape[:1]:
+            raise ValueError(
+                f"a shard of this table has {self.weight.shape[0]} rows, got a tensor of shape "
+                f"{tuple(shard.shape)}"
+            )
+        counts = [len(range(r, self.num_embeddings, self.world)) for r in range(self.world)]
+        mine = shard.new_zeros(max(counts), *shard.shape[1:])
+        mine[: shard.shape[0]] = shard
+        shards = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(shards, mine, group=self.group)
+        full = shard.new_empty(self.num_embeddings, *shard.shape[1:])
+        for r, (gathered, count) in enumerate(zip(shards, counts, strict=True)):
+            full[r :: self.world] = gathered[:count]
+        return full
+
+    def own_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a whole-table tensor (``V`` rows): the inverse of
+        :meth:`gather_shards`, for any number of ranks having saved it."""
+        if full.shape[:1] != (self.num_embeddings,) or (
+            full.dim() == 2 and full.shape[1] != self.embedding_dim
+        ):
             raise ValueError(
                 f"a table of shape {tuple(full.shape)} cannot load into a sharded embedding of "
                 f"{self.num_embeddings} x {self.embedding_dim}"
             )
-        with torch.no_grad():
-            self.weight.copy_(full[self.rank :: self.world])
+        return full[self.rank :: self.world].clone()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """Load either this rank's shard (a state_dict saved on the same number of ranks)
+        or the whole table (one from :func:`thinwire.sparse.full_state_dict`, saved on any
+        number of ranks, or a plain ``nn.Embedding``'s), keeping this rank's rows."""
+        key = prefix + "weight"
+        value = state_dict.get(key)
+        whole = (self.num_embeddings, self.embedding_dim)
+        if isinstance(value, Tensor) and tuple(value.shape) == whole != tuple(self.weight.shape):
+            state_dict = {**state_dict, key: self.own_rows(value)}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         return (
