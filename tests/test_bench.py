@@ -126,6 +126,31 @@ def test_sparse_embedding_methods_train_as_dense_ddp_with_far_fewer_bytes(
     }
 
 
+def test_the_dense_part_of_a_sparse_embedding_model_can_go_through_a_compressor(
+    tmp_path: Path,
+) -> None:
+    config = BenchConfig(
+        task="packages",
+        task_options={"vocab_size": 4096, "batch_size": 8},
+        methods=parse_methods(
+            "emb-sharded,emb-allgather",
+            {"emb-sharded": {"compressor": "fp16"}, "emb-allgather": {"compressor": "none"}},
+        ),
+        workers=2,
+        steps=4,
+        lr=1.0,
+        network="loopback",
+    )
+    by = {r["method"]: r for r in run_bench(config, tmp_path)}
+    engine = by["emb-sharded"]["thinwire"]
+    assert engine is not None and engine["compression_ratio_median"] == pytest.approx(2.0)
+    assert by["emb-allgather"]["thinwire"] is None  # DDP's own all-reduce
+    # fp16 rounding of the head's gradients changes the losses only a little
+    assert by["emb-sharded"]["loss_history"] == pytest.approx(
+        by["emb-allgather"]["loss_history"], rel=1e-3
+    )
+
+
 def test_sparse_embedding_methods_refuse_what_they_cannot_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="prefetch needs overlap"):
         parse_methods("emb-sharded", {"emb-sharded": {"overlap": False}})
