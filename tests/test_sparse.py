@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
+from thinwire.comm.collectives import _group_timeout
 from thinwire.sparse import (
     AllGatherEmbedding,
     ShardedEmbedding,
@@ -199,11 +200,15 @@ def _misuse_prefetch(rank: int, world: int) -> list[str]:
         messages.append(str(error))
     after = table(torch.tensor([6])).detach()  # the table still works afterwards
     messages.append(str(torch.equal(after, table.full_weight()[6:7])))
+    # the table's own groups give up when the user's timeout says, not gloo's 30 minutes
+    timeouts = {str(_group_timeout(g)) for g in (None, table._lookup_group, table._prefetch_group)}
+    messages.append(" ".join(sorted(timeouts)))
     return messages
 
 
 def test_prefetch_misuse_is_refused_with_a_reason(pool2) -> None:
-    for pending, mismatch, works in pool2.run(_misuse_prefetch):
+    for pending, mismatch, works, timeouts in pool2.run(_misuse_prefetch):
+        assert timeouts == "0:01:00"  # the pools' 60 s
         assert "already waiting for its forward" in pending
         assert "other ids than the last prefetch" in mismatch
         assert works == "True"

@@ -271,6 +271,16 @@ def _ring_allgather_traffic(nbytes: int, world: int) -> Traffic:
     return Traffic(payload=nbytes, sent=wire, received=wire, collectives=1)
 
 
+def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """A new process group of ``group``'s ranks (default: every rank) with its collective
+    timeout, for traffic that must not queue behind ``group``'s (a collective of every
+    rank of the default group). ``new_group`` alone would fall back to the backend's
+    default (30 minutes on gloo), so a dead peer would hang it far longer than the user
+    asked for."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks=ranks, timeout=_group_timeout(group))
+
+
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
     """The process group's collective timeout, for error messages (``None`` if unknown)."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group

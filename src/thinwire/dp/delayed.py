@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import Communicator
+from thinwire.comm.collectives import Communicator, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.optimizer import DistributedOptimizer
 from thinwire.compress.base import Compressor, Memory, Request
@@ -160,10 +160,9 @@ class DelayedAveraging:
                 "its steps must run in order: use lanes=1, or a stateless compressor "
                 "(none, fp16, bf16)"
             )
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
         extra = []
         for _ in range(lanes - 1):
-            lane_group = dist.new_group(ranks=ranks)
+            lane_group = sibling_group(group)
             extra.append(
                 GradientExchange(
                     copy.deepcopy(engine.compressor),

@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from thinwire.comm.collectives import sibling_group
+
 
 @dataclass
 class Route:
@@ -141,9 +143,8 @@ class ShardedEmbedding(nn.Module):
         self.sparse_grad = sparse_grad
         self.overlap = overlap
         if overlap:
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            self._lookup_group = dist.new_group(ranks)
-            self._prefetch_group = dist.new_group(ranks)
+            self._lookup_group = sibling_group(group)
+            self._prefetch_group = sibling_group(group)
         else:
             self._lookup_group = self._prefetch_group = group
         full = torch.randn(
