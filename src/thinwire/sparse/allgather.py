@@ -71,7 +71,7 @@ class AllGatherEmbedding(nn.Module):
 
     def gather_rows(self, unique: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
         """Every rank's (ids, row gradients), concatenated in rank order (collective)."""
-        count = torch.tensor([unique.numel()], dtype=torch.int64)
+        count = unique.new_tensor([unique.numel()])
         counts = [torch.empty_like(count) for _ in range(self.world)]
         dist.all_gather(counts, count, group=self.group)
         sizes = [int(c) for c in counts]

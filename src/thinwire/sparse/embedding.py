@@ -209,7 +209,7 @@ class ShardedEmbedding(nn.Module):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         send_counts, recv_counts = send.tolist(), recv.tolist()
-        wanted = torch.empty(sum(recv_counts), dtype=torch.int64)
+        wanted = unique.new_empty(sum(recv_counts))
         dist.all_to_all_single(wanted, unique[order], recv_counts, send_counts, group=group)
         id_bytes = (unique.numel() + self.world) * 8
         served = wanted // self.world
@@ -227,7 +227,7 @@ class ShardedEmbedding(nn.Module):
 
     def rows(self) -> Tensor:
         """The global row ids of this rank's shard."""
-        return torch.arange(self.rank, self.num_embeddings, self.world)
+        return torch.arange(self.rank, self.num_embeddings, self.world, device=self.weight.device)
 
     def full_weight(self) -> Tensor:
         """The whole ``V x D`` table, on every rank (collective: an all-gather of shards)."""
