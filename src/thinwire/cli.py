@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 
 from rich.console import Console
 from rich.markup import escape
@@ -154,7 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``thinwire`` command."""
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return args.run(args)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a supervisor, ``timeout``, ``kill``) unwinds like Ctrl-C: every context
+    manager runs, so worker processes stop and emulated hosts are removed."""
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

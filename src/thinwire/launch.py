@@ -15,11 +15,16 @@ be importable (defined at module level). On real machines use ``torchrun`` inste
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import multiprocessing
 import os
 import queue
 import random
+import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -31,6 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from thinwire.cluster.tun import enter_namespace
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 if TYPE_CHECKING:
     from thinwire.cluster.emulated import EmulatedCluster
@@ -76,6 +83,20 @@ class Placement:
         )
 
 
+def die_with_parent() -> None:
+    """Have the kernel kill this process when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``), however that dies (even by SIGKILL, which runs no cleanup): a
+    worker must never outlive its pool and train on alone. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # it died before we asked
+            os._exit(1)
+
+
 def _serve(
     rank: int,
     world_size: int,
@@ -86,6 +107,7 @@ def _serve(
     placement: Placement | None = None,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    die_with_parent()
     host = "127.0.0.1"
     try:
         if placement is not None:

@@ -1,0 +1,104 @@
+"""No process outlives the run that started it: SIGTERM to ``thinwire bench`` stops its
+workers, and a pool's workers die with their parent even when it is killed outright."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every living process below ``pid``, read from /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    living = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            living.add(pid)
+    return living
+
+
+def _wait_for_workers(proc: subprocess.Popen, count: int, timeout: float = 60.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = _descendants(proc.pid)
+        if len(workers) >= count:
+            return workers
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    pytest.fail(f"fewer than {count} worker processes started within {timeout:.0f} s")
+
+
+def _gone_within(pids: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_the_bench_stops_its_workers(tmp_path: Path) -> None:
+    command = [
+        *(sys.executable, "-m", "thinwire.cli", "bench", "--task", "digits", "--workers", "2"),
+        *("--network", "loopback", "--steps", "1000000", "--methods", "dense"),
+        *("--out", str(tmp_path)),
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    workers = _wait_for_workers(proc, 2)
+    time.sleep(2)  # past start-up: training
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) != 0
+    assert not _gone_within(workers, 10), "workers outlived the bench"
+
+
+SCRIPT = """
+import time
+from thinwire.launch import LocalPool
+
+def nap(rank, world_size):
+    time.sleep(600)
+
+if __name__ == "__main__":
+    pool = LocalPool(2)
+    pool.run(nap, timeout=600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_pool_workers_die_when_their_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "pool.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ})
+    workers = _wait_for_workers(proc, 2)
+    time.sleep(2)
+    proc.kill()  # SIGKILL: no handler, no cleanup in the parent
+    proc.wait(timeout=10)
+    assert not _gone_within(workers, 10), "workers outlived their killed parent"
