@@ -134,7 +134,7 @@ def test_training_equals_one_embedding_on_the_global_batch(pool, kind: str) -> N
     assert absent, "the test must leave some rows out"
     moved = np.abs(expected["table"] - start).max(axis=1)
     assert (moved[touched] > 1e-3).all()
-    if kind == "sparse-adam":  # lazy: rows nobody looked up stay exactly as they were
+    if kind == "sparse-adam":  # rows nobody ever looked up stay exactly as they were
         assert (moved[absent] == 0).all()
 
 
@@ -150,6 +150,7 @@ def train_converted(rank: int, world: int, layout: str) -> dict[str, np.ndarray]
     else:
         assert shard_embeddings(model, overlap=layout != "sharded-no-overlap") == ["embedding"]
     ddp = DistributedDataParallel(model)
+    assert ddp.parameters_to_ignore == {"embedding.weight"}
     optimizer = _optimizer("sgd", ddp.parameters())
     outputs = []
     for step in range(STEPS):
@@ -214,18 +215,22 @@ def test_prefetch_misuse_is_refused_with_a_reason(pool2) -> None:
         assert works == "True"
 
 
-def _gathered_traffic(rank: int, world: int) -> dict[str, Any]:
-    table = AllGatherEmbedding(VOCAB, DIM, seed=3)
+def _gathered_traffic(rank: int, world: int, dtype: torch.dtype) -> dict[str, Any]:
+    table = AllGatherEmbedding(VOCAB, DIM, seed=3).to(dtype)
     ids = torch.tensor([[5, 5, 5, 0], [36, 5, 0, 0]]) if rank == 0 else torch.tensor([[rank]])
     table(ids).sum().backward()
     return {"ids": table.traffic.ids, "grads": table.traffic.grads, "grad": table.weight.grad}
 
 
-def test_all_gather_sends_each_distinct_row_once_and_sums_every_ranks(pool) -> None:
-    results = pool.run(_gathered_traffic)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_all_gather_sends_each_distinct_row_once_and_sums_every_ranks(
+    pool, dtype: torch.dtype
+) -> None:
+    results = pool.run(_gathered_traffic, dtype)
     world = len(results)
-    assert results[0]["ids"] == (3 + 1) * 8 and results[0]["grads"] == 3 * DIM * 4
-    expected = torch.zeros(VOCAB, DIM)
+    size = torch.finfo(dtype).bits // 8
+    assert results[0]["ids"] == (3 + 1) * 8 and results[0]["grads"] == 3 * DIM * size
+    expected = torch.zeros(VOCAB, DIM, dtype=dtype)
     for row, uses in ((5, 4), (0, 3), (36, 1)):  # rank 0's sum of ones per use
         expected[row] += uses / world
     for r in range(1, world):
@@ -290,6 +295,26 @@ def test_a_table_saved_on_two_ranks_loads_on_four(pool2, pool4, tmp_path: Path) 
         torch.testing.assert_close(saved[r::2], expected * (r + 2))
     for lookup in pool4.run(_load, path):
         np.testing.assert_array_equal(lookup, saved.numpy())
+
+
+def _shard_state_dicts(rank: int, world: int, path: str) -> str:
+    table = ShardedEmbedding(VOCAB, DIM, seed=rank + 5)
+    torch.save(table.state_dict(), f"{path}.{rank}")
+    torch.distributed.barrier()
+    own, other = ShardedEmbedding(VOCAB, DIM), ShardedEmbedding(VOCAB, DIM)
+    own.load_state_dict(torch.load(f"{path}.{rank}"))  # its own rows: fine
+    assert torch.equal(own.weight, table.weight)
+    try:
+        other.load_state_dict(torch.load(f"{path}.{(rank + 1) % world}"))
+    except RuntimeError as error:
+        return str(error)
+    return "accepted another rank's rows"
+
+
+def test_a_shard_state_dict_loads_on_its_own_rank_only(pool2, tmp_path: Path) -> None:
+    for rank, message in enumerate(pool2.run(_shard_state_dicts, str(tmp_path / "shard"))):
+        assert f"holds shard {1 - rank} of a table sharded over 2 ranks" in message
+        assert "full_state_dict" in message
 
 
 def _sharded_model() -> nn.Module:
@@ -368,8 +393,8 @@ def test_training_saved_on_two_ranks_resumes_on_four_with_its_optimizer_state(
         assert not np.allclose(result["table"], expected, atol=1e-4)
 
 
-def _convert(rank: int, world: int, case: str) -> str:
-    torch.manual_seed(0)
+def _convert(rank: int, world: int, case: str) -> Any:
+    torch.manual_seed(rank)  # every rank starts from another table: conversion takes rank 0's
     if case == "tied":
         embedding = nn.Embedding(10, DIM)
         output = nn.Linear(DIM, 10, bias=False)
@@ -377,14 +402,23 @@ def _convert(rank: int, world: int, case: str) -> str:
         model = nn.ModuleDict({"embedding": embedding, "output": output})
     elif case == "padding":
         model = nn.ModuleDict({"embedding": nn.Embedding(10, DIM, padding_idx=0)})
+    elif case == "sparse":
+        model = nn.ModuleDict({"embedding": nn.Embedding(10, DIM, sparse=True)})
     else:
-        model = nn.ModuleDict({"embedding": nn.Embedding(10, DIM), "head": nn.Linear(DIM, 2)})
-        before = model["embedding"].weight.detach().clone()
+        embedding = nn.Embedding(10, DIM).double().requires_grad_(False)
+        model = nn.ModuleDict({"embedding": embedding, "head": nn.Linear(DIM, 2)})
+        before = embedding.weight.detach().clone()
         names = shard_embeddings(model)
         table = model["embedding"]
         assert names == ["embedding"] and isinstance(table, ShardedEmbedding)
-        assert torch.equal(table(torch.arange(10)), before)
-        return "converted"
+        assert model._ddp_params_and_buffers_to_ignore == ["embedding.weight"]
+        assert table.weight.dtype == torch.float64 and not table.weight.requires_grad
+        looked_up = table(torch.arange(10)).numpy()
+        assert dense_embeddings(model) == ["embedding"]
+        back = model["embedding"]
+        assert isinstance(back, nn.Embedding) and not back.weight.requires_grad
+        assert model._ddp_params_and_buffers_to_ignore == []
+        return {"before": before.numpy(), "looked_up": looked_up, "back": back.weight.numpy()}
     try:
         shard_embeddings(model)
     except ValueError as error:
@@ -393,7 +427,13 @@ def _convert(rank: int, world: int, case: str) -> str:
 
 
 def test_conversion_keeps_the_table_and_refuses_ties_and_padding(pool2) -> None:
-    assert pool2.run(_convert, "plain") == ["converted", "converted"]
+    results = pool2.run(_convert, "plain")
+    assert not np.array_equal(results[0]["before"], results[1]["before"])
+    for result in results:  # rank 0's table, its dtype, on every rank, and back again
+        np.testing.assert_array_equal(result["looked_up"], results[0]["before"])
+        np.testing.assert_array_equal(result["back"], results[0]["before"])
+    for message in pool2.run(_convert, "sparse"):
+        assert "sparse" in message and "sparse_grad=True" in message
     for message in pool2.run(_convert, "tied"):
         assert "shares its weight with output.weight" in message and "untie" in message
     for message in pool2.run(_convert, "padding"):

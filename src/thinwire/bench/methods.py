@@ -204,14 +204,7 @@ def _wrap_embedding_model(
 ) -> Wrapped:
     """A model :func:`prepare` made sparse, under DDP (which leaves the tables alone), with
     the dense part's compressor if one is named."""
-    buckets = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = DistributedDataParallel(model, **buckets)
     options = method.options
-    engine = None
-    if options["compressor"] != "none":
-        engine = thinwire.register(
-            ddp, options["compressor"], optimizer=optimizer, **options["compressor_options"]
-        )
     tables = [m for m in model.modules() if isinstance(m, ShardedEmbedding)]
     lookahead = None
     if options.get("prefetch"):
@@ -221,6 +214,13 @@ def _wrap_embedding_model(
                 f"table, and this model has {len(tables)}; run it with prefetch false"
             )
         lookahead = tables[0].prefetch
+    buckets = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **buckets)
+    engine = None
+    if options["compressor"] != "none":
+        engine = thinwire.register(
+            ddp, options["compressor"], optimizer=optimizer, **options["compressor_options"]
+        )
     return Wrapped(
         ddp, optimizer, engine, export=lambda: dense_embeddings(model), lookahead=lookahead
     )

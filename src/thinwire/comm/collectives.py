@@ -282,7 +282,8 @@ def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
 
 
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
-    """The process group's collective timeout, for error messages (``None`` if unknown)."""
+    """The process group's collective timeout (``None`` if unknown): for error messages and
+    for the groups :func:`sibling_group` makes."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group
     for holder in (pg, getattr(pg, "_get_backend", lambda device: None)(torch.device("cpu"))):
         with contextlib.suppress(Exception):  # private API: its shape differs across versions

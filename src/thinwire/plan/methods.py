@@ -232,6 +232,11 @@ def _check_wrapper_options(name: str, merged: dict[str, Any], unknown: set[str])
             raise ValueError(f"{name}: {key} must be true or false, got {merged[key]!r}")
     if merged.get("prefetch") and not merged.get("overlap", True):
         raise ValueError(f"{name}: prefetch needs overlap (the prefetch's own process group)")
+    if merged.get("overlap") is False and merged["compressor"] != "none":
+        raise ValueError(
+            f"{name}: a thinwire compressor exchanges the dense gradients from its own thread "
+            "on DDP's process group, so the table needs its own group: keep overlap true"
+        )
     from thinwire.compress.registry import compressor
 
     built = compressor(merged["compressor"], **merged["compressor_options"])  # unknown name?

@@ -13,12 +13,14 @@ table's all-to-all sends each row to one owner only; this is the baseline
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from thinwire.comm.collectives import sibling_group
 from thinwire.sparse.embedding import SparseTraffic, check_ids
 
 
@@ -34,6 +36,9 @@ class AllGatherEmbedding(nn.Module):
         seed: the table is drawn from N(0, 1) with this seed (the same on every rank).
         sparse_grad: give ``weight`` a sparse gradient (the rows any rank touched), for
             ``torch.optim.SparseAdam``; default: dense, for any optimizer.
+        overlap: carry the gathers on a process group of their own (created here: a
+            collective of every rank of the default group), beside DDP's and a thinwire
+            compressor's traffic on ``group`` rather than interleaved with it.
     """
 
     def __init__(
@@ -44,6 +49,7 @@ class AllGatherEmbedding(nn.Module):
         group: dist.ProcessGroup | None = None,
         seed: int = 0,
         sparse_grad: bool = False,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -58,6 +64,7 @@ class AllGatherEmbedding(nn.Module):
         self.group = group
         self.world = dist.get_world_size(group)
         self.sparse_grad = sparse_grad
+        self._group = sibling_group(group) if overlap else group
         generator = torch.Generator().manual_seed(seed)
         self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim, generator=generator))
         self.traffic = SparseTraffic()
@@ -73,20 +80,35 @@ class AllGatherEmbedding(nn.Module):
         """Every rank's (ids, row gradients), concatenated in rank order (collective)."""
         count = unique.new_tensor([unique.numel()])
         counts = [torch.empty_like(count) for _ in range(self.world)]
-        dist.all_gather(counts, count, group=self.group)
+        dist.all_gather(counts, count, group=self._group)
         sizes = [int(c) for c in counts]
-        longest = max(sizes)
-        # one all-gather for ids and rows together: the ids ride as float64 bit patterns
-        packed = grads.new_zeros(longest, 2 + self.embedding_dim)
-        packed[: unique.numel(), :2] = unique.view(torch.float32).view(-1, 2)
-        packed[: unique.numel(), 2:] = grads
+        # one all-gather for ids and rows together: both as raw bytes, any dtype intact
+        id_bytes = unique.element_size()
+        row_bytes = self.embedding_dim * grads.element_size()
+        packed = torch.zeros(
+            max(sizes), id_bytes + row_bytes, dtype=torch.uint8, device=grads.device
+        )
+        packed[: unique.numel(), :id_bytes] = (
+            unique.contiguous().view(torch.uint8).view(-1, id_bytes)
+        )
+        packed[: unique.numel(), id_bytes:] = (
+            grads.contiguous().view(torch.uint8).view(-1, row_bytes)
+        )
         gathered = [torch.empty_like(packed) for _ in range(self.world)]
-        dist.all_gather(gathered, packed, group=self.group)
-        self.traffic.ids = (unique.numel() + 1) * 8
+        dist.all_gather(gathered, packed, group=self._group)
+        self.traffic.ids = (unique.numel() + 1) * id_bytes
         self.traffic.grads = grads.numel() * grads.element_size()
         every = torch.cat([g[:n] for g, n in zip(gathered, sizes, strict=True)])
-        ids = every[:, :2].contiguous().view(torch.int64).view(-1)
-        return ids, every[:, 2:]
+        ids = every[:, :id_bytes].contiguous().view(unique.dtype).view(-1)
+        rows = every[:, id_bytes:].contiguous().view(grads.dtype).view(-1, self.embedding_dim)
+        return ids, rows
+
+    def close(self) -> None:
+        """Free the table's own process group (local)."""
+        if self._group is not self.group:
+            with contextlib.suppress(Exception):  # already gone with the default group
+                dist.destroy_process_group(self._group)
+            self._group = self.group
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, replicated on {self.world} ranks"

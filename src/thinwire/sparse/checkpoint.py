@@ -30,8 +30,10 @@ from thinwire.sparse.embedding import ShardedEmbedding
 def full_state_dict(model: nn.Module) -> dict[str, Any]:
     """``model.state_dict()`` with each sharded table's ``weight`` whole (collective)."""
     state = model.state_dict()
+    metadata = getattr(state, "_metadata", {})
     for name, table in _tables(model).items():
         state[f"{name}.weight" if name else "weight"] = table.full_weight()
+        metadata.get(name, {}).pop("thinwire_shard", None)  # whole now, not one rank's
     return state
 
 

@@ -76,8 +76,10 @@ def dense_embeddings(model: nn.Module) -> list[str]:
         if not isinstance(module, SparseTable):
             continue
         full = module.full_weight() if isinstance(module, ShardedEmbedding) else module.weight
-        plain = nn.Embedding(module.num_embeddings, module.embedding_dim)
-        plain.weight.data.copy_(full.detach())
+        plain = nn.Embedding.from_pretrained(
+            full.detach().clone(), freeze=not module.weight.requires_grad
+        )
+        module.close()
         _set_module(model, name, plain)
         replaced.append(name)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
@@ -112,11 +114,12 @@ def _replace(
     for name, module in embeddings:
         table = module.weight.detach().clone()
         dist.broadcast(table, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        sparse = build(module)
+        sparse = build(module).to(device=table.device, dtype=table.dtype)
         if isinstance(sparse, ShardedEmbedding):
             sparse.load_full_weight(table)
         else:
             sparse.weight.data.copy_(table)
+        sparse.weight.requires_grad_(module.weight.requires_grad)
         _set_module(model, name, sparse)
         replaced.append(name)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))

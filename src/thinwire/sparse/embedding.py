@@ -42,6 +42,7 @@ to leave the tables alone, since each rank's shard differs by design.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,12 @@ class Route:
 
 @dataclass
 class SparseTraffic:
-    """Bytes this rank sent in its last forward and backward pass (payloads)."""
+    """Payload bytes this rank handed to its collectives in its last forward and backward
+    pass, its share for itself included (headers and how a collective forwards data are
+    not counted: the wire's bytes are the network counters' business). For a sharded
+    table: the deduplicated ids and counts, the rows it served, the row gradients it
+    returned; for the all-gather baseline: its ids and row gradients once, although the
+    all-gather delivers them to each of the W - 1 other ranks."""
 
     ids: int = 0
     rows: int = 0
@@ -114,7 +120,15 @@ class ShardedEmbedding(nn.Module):
         overlap: carry lookups and prefetches on process groups of their own (created
             here: a collective of every rank of the default group), so that they run beside
             DDP's all-reduce and :meth:`prefetch` can work in the background; ``False``:
-            everything on ``group``, in program order.
+            everything on ``group``, in program order from the training thread (do not
+            combine with anything that issues collectives on ``group`` from another thread,
+            such as a thinwire compressor's DDP hook: ranks could interleave them
+            differently).
+
+    ``state_dict()`` holds this rank's rows, marked with the rank and world size they
+    belong to; :func:`thinwire.sparse.full_state_dict` writes the whole table, which loads
+    on any number of ranks. Call :meth:`close` to free the table's process groups and
+    prefetch thread when done (``dense_embeddings`` does).
     """
 
     def __init__(
@@ -154,14 +168,29 @@ class ShardedEmbedding(nn.Module):
         self.traffic = SparseTraffic()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._pending: tuple[Tensor, Future[Route]] | None = None
+        self.register_state_dict_post_hook(_mark_shard)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and free the table's own process groups (local)."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
+        if self.overlap:
+            for group in (self._lookup_group, self._prefetch_group):
+                with contextlib.suppress(Exception):  # already gone with the default group
+                    dist.destroy_process_group(group)
+            self.overlap = False
+            self._lookup_group = self._prefetch_group = self.group
 
     # -- the lookup ---------------------------------------------------------------------
 
     def forward(self, ids: Tensor) -> Tensor:
         """Embedding vectors of ``ids`` (integer tensor of any shape): ``ids.shape + (D,)``.
 
-        If :meth:`prefetch` was called, ``ids`` must be the ids it was given (every rank
-        decided to use the prefetched routes; a rank that recomputed would hang the rest).
+        If :meth:`prefetch` was called, ``ids`` must be the ids it was given: the routes
+        are already exchanged, and a rank that routed again would issue collectives the
+        others do not. A rank given other ids raises; the other ranks then wait in the
+        row exchange until the process group's timeout, and raise too.
         """
         flat = check_ids(ids, self.num_embeddings)
         if self._pending is not None:
@@ -286,8 +315,16 @@ class ShardedEmbedding(nn.Module):
         key = prefix + "weight"
         value = state_dict.get(key)
         whole = (self.num_embeddings, self.embedding_dim)
-        if isinstance(value, Tensor) and tuple(value.shape) == whole != tuple(self.weight.shape):
+        saved_as = local_metadata.get("thinwire_shard")
+        if isinstance(value, Tensor) and tuple(value.shape) == whole and saved_as is None:
             state_dict = {**state_dict, key: self.own_rows(value)}
+        elif saved_as is not None and tuple(saved_as) != (self.rank, self.world):
+            error_msgs.append(
+                f"{key} holds shard {saved_as[0]} of a table sharded over {saved_as[1]} ranks, "
+                f"and this is rank {self.rank} of {self.world}: load each rank's own "
+                "state_dict, or save with thinwire.sparse.full_state_dict to change ranks"
+            )
+            return
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -297,6 +334,13 @@ class ShardedEmbedding(nn.Module):
             f"{self.num_embeddings}, {self.embedding_dim}, shard {self.rank} of {self.world} "
             f"({self.weight.shape[0]} rows)"
         )
+
+
+def _mark_shard(
+    module: ShardedEmbedding, state_dict: dict[str, Any], prefix: str, local_metadata: dict
+) -> None:
+    """Record which shard a state_dict holds (checked when it is loaded)."""
+    local_metadata["thinwire_shard"] = [module.rank, module.world]
 
 
 class _Lookup(torch.autograd.Function):
