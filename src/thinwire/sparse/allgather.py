@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import sibling_group
-from thinwire.sparse.embedding import SparseTraffic, check_ids
+from thinwire.sparse.embedding import SparseTraffic, check_ids, check_table
 
 
 class AllGatherEmbedding(nn.Module):
@@ -52,14 +52,7 @@ class AllGatherEmbedding(nn.Module):
         overlap: bool = True,
     ) -> None:
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call "
-                "torch.distributed.init_process_group(...) first (or launch with torchrun)"
-            )
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_table(num_embeddings, embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group = group
         self.world = dist.get_world_size(group)

@@ -89,6 +89,18 @@ class SparseTraffic:
         return self.ids + self.rows + self.grads
 
 
+def check_table(num_embeddings: int, embedding_dim: int) -> None:
+    """Raise, saying what to do, unless a distributed table of this shape can be built."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group(...) first (or launch with torchrun)"
+        )
+    for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def check_ids(ids: Tensor, num_embeddings: int) -> Tensor:
     """``ids`` flattened to int64, or an error naming what is wrong with them."""
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -142,14 +154,7 @@ class ShardedEmbedding(nn.Module):
         overlap: bool = True,
     ) -> None:
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call "
-                "torch.distributed.init_process_group(...) first (or launch with torchrun)"
-            )
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_table(num_embeddings, embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group = group
         self.world = dist.get_world_size(group)
