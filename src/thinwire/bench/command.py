@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="local,dense,ddp-fp16,ddp-powersgd,fp16,dgc,powersgd,onebit,terngrad",
         help=(
             "comma-separated: local, dense, ddp-fp16, ddp-powersgd, dga, ps-sync, ps-async, "
-            "or thinwire compressors"
+            "emb-allgather, emb-sharded (tasks with embeddings: packages), or thinwire "
+            "compressors"
         ),
     )
     parser.add_argument("--options", default="", help="JSON per method: '{\"dgc\": {...}}'")
