@@ -37,7 +37,9 @@ def shard_embeddings(
 
     Refused, naming the module and what to do: an embedding whose weight is tied to another
     parameter (a tied output projection would need the whole table on every rank), and
-    ``padding_idx``, ``max_norm`` or ``scale_grad_by_freq``.
+    ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` or ``sparse=True`` (pass
+    ``sparse_grad=True`` here instead). The new tables keep the old one's device, dtype and
+    ``requires_grad``.
     """
 
     def build(module: nn.Embedding) -> ShardedEmbedding:
