@@ -286,6 +286,78 @@ def test_onebit_sends_at_most_1_1_bits_per_value(numel: int) -> None:
     assert bits <= 1.1
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    cols=st.integers(1, 13),
+    scales=st.lists(st.floats(1e-3, 1e3), min_size=20, max_size=20),
+    seed=st.integers(0, 2**16),
+)
+def test_onebit_per_row_keeps_signs_and_the_mean_of_each_rows_sign_groups(
+    rows: int, cols: int, scales: list[float], seed: int
+) -> None:
+    x = randn(rows * cols, seed=seed).view(rows, cols) * torch.tensor(scales[:rows]).view(-1, 1)
+    compressor = OneBit(per_row=True)
+    decoded = run_locally(compressor.exchange(x, SLOT)).mean
+    assert decoded.shape == x.shape
+    assert bool((decoded[x > 0] > 0).all()) and bool((decoded[x < 0] < 0).all())
+    for row, decoded_row in zip(x, decoded, strict=True):
+        for group in (row >= 0, row < 0):
+            if bool(group.any()):
+                group_mean = float(row[group].double().mean())
+                torch.testing.assert_close(
+                    decoded_row[group].double(),
+                    torch.full((int(group.sum()),), group_mean, dtype=torch.float64),
+                    rtol=1e-6,
+                    atol=1e-30,
+                )
+    payload, numel = compressor.compress(x, SLOT)
+    assert payload[1].shape == (rows, 2)
+    assert torch.equal(compressor.decompress(payload, numel).view_as(x), decoded)
+
+
+def test_onebit_per_row_keeps_small_rows_small() -> None:
+    # One scale pair for the whole tensor decodes the small rows at the large rows' size.
+    x = randn(64 * 300, seed=3).view(64, 300) * torch.logspace(-3, 1, 64).view(-1, 1)
+    row_errors = {
+        per_row: (run_locally(OneBit(per_row=per_row).exchange(x, SLOT)).local - x).norm(dim=1)
+        for per_row in (False, True)
+    }
+    row_norms = x.norm(dim=1)
+    assert bool((row_errors[True] < row_norms).all())  # better than sending nothing, every row
+    assert bool((row_errors[False][:8] > 10 * row_norms[:8]).all())
+
+
+def test_onebit_per_row_treats_vectors_as_one_row() -> None:
+    x = randn(100, seed=4)
+    per_row = run_locally(OneBit(per_row=True).exchange(x, SLOT)).mean
+    assert torch.equal(per_row, run_locally(OneBit().exchange(x, SLOT)).mean)
+
+
+def test_onebit_per_row_sends_8_more_bytes_per_row() -> None:
+    x = randn(256 * 2304).view(256, 2304)  # a 3x3 convolution of 256 input channels
+    bits = bits_per_value(OneBit(per_row=True), x)
+    assert bits == 8 * (256 * 2304 / 8 + 8 * 256) / x.numel()
+    assert bits < 1.03
+
+
+def test_onebit_per_row_mean_is_the_average_of_what_each_rank_sent() -> None:
+    xs = [randn(40 * 7, seed=rank).view(40, 7) * (rank + 1) for rank in range(3)]
+    compressors = [OneBit(per_row=True) for _ in xs]
+    results = drive(
+        [c.exchange(x, Slot("w", 0, 3, r)) for r, (c, x) in enumerate(zip(compressors, xs))]
+    )
+    expected = sum(r.local for r in results) / 3
+    for result in results:
+        torch.testing.assert_close(result.mean, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(result.mean, results[0].mean)
+
+
+def test_onebit_per_row_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="per_row must be true or false"):
+        thinwire.compressor("onebit", per_row="yes")
+
+
 # -- signSGD --------------------------------------------------------------------------------
 
 

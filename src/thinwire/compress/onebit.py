@@ -17,6 +17,18 @@ table of the 8 values it stands for, ``-b_r / N`` or ``a_r / N`` each
 Wire: n/8 bytes of signs + 8 bytes of scales, 1.064 bits per value at n = 1000 and
 1.0006 at n = 100 000.
 
+With ``per_row``, every row (index of the first dimension: an output channel of a
+convolution, an output unit of a linear layer) has its own pair ``(a_j, b_j)``, as Seide et
+al. quantize column by column::
+
+    a_j    = mean of g[j] over plus[j]             b_j = mean of -g[j] over not plus[j]
+    decode = a_j where plus, else -b_j              in row j
+
+Rows of very different magnitude no longer share one scale (on the image task's ResNet,
+over its first 30 steps, the relative error ``|g - decode| / |g|`` drops from 0.69 to
+0.46-0.57), for 8 more bytes per row: 1.028 bits per value for a 3x3 convolution of 256
+input channels.
+
 Speed: the signs are found and packed, and the group sums taken, a cache-sized chunk at a
 time; ``mean`` and ``local`` are written into buffers kept from the tensor's last exchange
 (:class:`~thinwire.compress.bits.OutputBuffers`), so no full-size tensor is allocated.
@@ -40,14 +52,29 @@ from thinwire.compress.base import (
     Slot,
     check_floating,
 )
-from thinwire.compress.bits import CHUNK, OutputBuffers, chunks, decode, pack, packed_size
+from thinwire.compress.bits import (
+    CHUNK,
+    OutputBuffers,
+    chunks,
+    decode,
+    pack,
+    packed_size,
+    unpack,
+)
 from thinwire.compress.registry import register_compressor
 
 
 @register_compressor
 @dataclass
 class OneBit(Compressor):
-    """Signs plus the mean of each sign group; use with error feedback (the default)."""
+    """Signs plus the mean of each sign group; use with error feedback (the default).
+
+    Options:
+        per_row: one pair of scales per row (first dimension) of each tensor of two or
+            more dimensions, instead of one pair per tensor.
+    """
+
+    per_row: bool = False
 
     name = "onebit"
     summary = "1-bit SGD: signs 8 per byte + the mean of each sign group, gathered"
@@ -55,30 +82,42 @@ class OneBit(Compressor):
     wants_error_feedback = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.per_row, bool):
+            raise ValueError(f"per_row must be true or false, got {self.per_row!r}")
         self.buffers = OutputBuffers()
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Gather (signs, scales) from every rank and average their decodes."""
         check_floating(tensor)
         flat = tensor.reshape(-1)
-        packed, scales = encode(flat)
-        local = decode_signs(packed, scales, out=self.buffers.take(slot.key, "local", flat))
+        packed, scales = self._encode(tensor)
+        local = self.buffers.take(slot.key, "local", flat)
+        decode_signs(packed, scales, out=local)
         gathered = yield Request.gather(packed, scales)
         mean = self.buffers.take(slot.key, "mean", flat)
+        scratch = self.buffers.take(slot.key, "scratch", flat) if scales.dim() == 2 else None
         for rank, (rank_packed, rank_scales) in enumerate(gathered):
-            decode_signs(rank_packed, rank_scales / slot.world_size, out=mean, add=rank > 0)
+            decode_signs(
+                rank_packed, rank_scales / slot.world_size, mean, add=rank > 0, scratch=scratch
+            )
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
-        """Encode for inspection and tests: ``([packed signs, scales], numel)``."""
+        """Encode for inspection and tests: ``([packed signs, scales], numel)``; the scales
+        are ``[a, b]``, or ``(rows, 2)`` with ``per_row``."""
         check_floating(tensor)
-        flat = tensor.reshape(-1)
-        return list(encode(flat)), flat.numel()
+        return list(self._encode(tensor)), tensor.numel()
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Decode one ``[packed signs, scales]`` payload of ``ctx`` values."""
         packed, scales = payload
         return decode_signs(packed, scales, out=scales.new_empty(ctx))
+
+    def _encode(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
+        """Signs and scales of ``tensor``: per row with ``per_row`` (and 2+ dimensions)."""
+        if self.per_row and tensor.dim() >= 2 and tensor.numel() > 0:
+            return encode_rows(tensor.reshape(tensor.shape[0], -1))
+        return encode(tensor.reshape(-1))
 
 
 def encode(flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,8 +143,43 @@ def encode(flat: Tensor) -> tuple[Tensor, Tensor]:
     return packed, (sums / counts).float()
 
 
-def decode_signs(packed: Tensor, scales: Tensor, out: Tensor, add: bool = False) -> Tensor:
+def encode_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """The sign bits of a contiguous ``(rows, cols)`` matrix, packed row after row, and the
+    fp32 scales ``(rows, 2)``: ``[a_j, b_j]`` of each row, a block of rows at a time."""
+    rows, cols = matrix.shape
+    wide = torch.float64 if matrix.dtype == torch.float64 else torch.float32
+    packed = torch.empty(packed_size(rows * cols, 1), dtype=torch.uint8, device=matrix.device)
+    counts = torch.empty(rows, dtype=torch.int64, device=matrix.device)
+    sums = torch.empty(rows, 2, dtype=torch.float64, device=matrix.device)
+    step = max(1, CHUNK // max(cols, 1) // 8) * 8  # whole bytes of signs per block
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        block = matrix[lo:hi]
+        plus = block >= 0
+        pack(plus.reshape(-1), 1, out=packed[lo * cols // 8 : packed_size(hi * cols, 1)])
+        counts[lo:hi] = plus.sum(1)
+        sums[lo:hi, 0] = block.clamp(min=0).sum(1, dtype=wide)
+        sums[lo:hi, 1] = block.clamp(max=0).sum(1, dtype=wide).neg()
+    members = torch.stack([counts, cols - counts], 1).clamp_min_(1)
+    return packed, (sums / members).float()
+
+
+def decode_signs(
+    packed: Tensor, scales: Tensor, out: Tensor, add: bool = False, scratch: Tensor | None = None
+) -> Tensor:
     """``a`` where the packed sign bit is set, ``-b`` elsewhere, written into (with ``add``,
-    added to) the 1-D ``out``."""
-    a, b = scales
-    return decode(packed, 1, torch.stack([-b, a]), out=out.view(-1), add=add)
+    added to) the 1-D ``out``. Scales of shape ``(rows, 2)`` give each row of ``out`` its
+    own ``[a_j, b_j]``; adding those goes through ``scratch`` (``out``'s size) if given."""
+    if scales.dim() == 1:
+        a, b = scales
+        return decode(packed, 1, torch.stack([-b, a]), out=out.view(-1), add=add)
+    rows = scales.shape[0]
+    target = out.view(rows, -1)
+    if add:
+        target = scratch.view(rows, -1) if scratch is not None else torch.empty_like(target)
+    plus = unpack(packed, 1, out.numel()).view(torch.bool).view(rows, -1)
+    a, b = scales.to(out.dtype).unbind(1)
+    torch.where(plus, a.unsqueeze(1), b.neg().unsqueeze(1), out=target)  # exact: no a + b - b
+    if add:
+        out.view(rows, -1).add_(target)
+    return out
