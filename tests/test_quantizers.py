@@ -289,7 +289,7 @@ def test_onebit_sends_at_most_1_1_bits_per_value(numel: int) -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(1, 20),
-    cols=st.integers(1, 13),
+    cols=st.integers(64, 77),
     scales=st.lists(st.floats(1e-3, 1e3), min_size=20, max_size=20),
     seed=st.integers(0, 2**16),
 )
@@ -328,10 +328,44 @@ def test_onebit_per_row_keeps_small_rows_small() -> None:
     assert bool((row_errors[False][:8] > 10 * row_norms[:8]).all())
 
 
-def test_onebit_per_row_treats_vectors_as_one_row() -> None:
-    x = randn(100, seed=4)
+@pytest.mark.parametrize("shape", [(100,), (512, 3), (64, 1, 3, 3), (10, 63)], ids=str)
+def test_onebit_per_row_keeps_one_pair_for_vectors_and_short_rows(shape: tuple[int, ...]) -> None:
+    # Scales per row of fewer than 64 values would cost more than the signs.
+    x = randn(math.prod(shape), seed=4).view(shape)
+    payload, _ = OneBit(per_row=True).compress(x, SLOT)
+    assert payload[1].shape == (2,)
     per_row = run_locally(OneBit(per_row=True).exchange(x, SLOT)).mean
     assert torch.equal(per_row, run_locally(OneBit().exchange(x, SLOT)).mean)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "transpose"),
+    [
+        ((130, 8065), torch.float32, False),  # several blocks of 128 rows
+        ((9, 131_073), torch.float32, False),  # blocks of 8 long rows
+        ((96, 200), torch.float32, True),  # not contiguous
+        ((72, 100), torch.float64, False),
+        ((72, 100), torch.float16, False),
+        ((72, 100), torch.bfloat16, False),
+    ],
+    ids=str,
+)
+def test_onebit_per_row_decodes_each_row_to_its_group_means(
+    shape: tuple[int, int], dtype: torch.dtype, transpose: bool
+) -> None:
+    x = (randn(math.prod(shape), seed=6).view(shape) * torch.rand(shape[0], 1) * 4).to(dtype)
+    if transpose:
+        x = x.t()
+    decoded = run_locally(OneBit(per_row=True).exchange(x, SLOT)).local
+    assert decoded.dtype == dtype and decoded.shape == x.shape
+    wide = x.double()
+    plus = wide >= 0
+    count = plus.sum(1, keepdim=True).clamp_min(1)
+    a = wide.clamp(min=0).sum(1, keepdim=True) / count
+    b = -wide.clamp(max=0).sum(1, keepdim=True) / (wide.shape[1] - count).clamp_min(1)
+    expected = torch.where(plus, a, -b)
+    tolerance = {torch.float16: 1e-3, torch.bfloat16: 8e-3}.get(dtype, 1e-5)
+    torch.testing.assert_close(decoded.double(), expected, rtol=tolerance, atol=0)
 
 
 def test_onebit_per_row_sends_8_more_bytes_per_row() -> None:
@@ -342,11 +376,12 @@ def test_onebit_per_row_sends_8_more_bytes_per_row() -> None:
 
 
 def test_onebit_per_row_mean_is_the_average_of_what_each_rank_sent() -> None:
-    xs = [randn(40 * 7, seed=rank).view(40, 7) * (rank + 1) for rank in range(3)]
+    xs = [randn(40 * 70, seed=rank).view(40, 70) * (rank + 1) for rank in range(3)]
     compressors = [OneBit(per_row=True) for _ in xs]
     results = drive(
         [c.exchange(x, Slot("w", 0, 3, r)) for r, (c, x) in enumerate(zip(compressors, xs))]
     )
+    assert [c.compress(x, SLOT)[0][1].shape for c, x in zip(compressors, xs)] == [(40, 2)] * 3
     expected = sum(r.local for r in results) / 3
     for result in results:
         torch.testing.assert_close(result.mean, expected, rtol=1e-6, atol=1e-6)

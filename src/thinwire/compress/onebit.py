@@ -24,14 +24,11 @@ al. quantize column by column::
     a_j    = mean of g[j] over plus[j]             b_j = mean of -g[j] over not plus[j]
     decode = a_j where plus, else -b_j              in row j
 
-Rows of very different magnitude no longer share one scale (on the image task's ResNet,
-over its first 30 steps, the relative error ``|g - decode| / |g|`` drops from 0.69 to
-0.46-0.57), for 8 more bytes per row: 1.028 bits per value for a 3x3 convolution of 256
-input channels.
-
-Speed: the signs are found and packed, and the group sums taken, a cache-sized chunk at a
-time; ``mean`` and ``local`` are written into buffers kept from the tensor's last exchange
-(:class:`~thinwire.compress.bits.OutputBuffers`), so no full-size tensor is allocated.
+Rows of very different magnitude no longer share one scale, for 8 more bytes per row:
+1.028 bits per value for a 3x3 convolution of 256 input channels. Tensors whose rows hold
+fewer than ``MIN_ROW`` values keep one pair. Decoding per row costs about twice the table
+lookup: the bits become ``t`` in {0, 1}, then ``t * a_j + (t - 1) * b_j``, a block of rows
+at a time.
 """
 
 from __future__ import annotations
@@ -59,9 +56,12 @@ from thinwire.compress.bits import (
     decode,
     pack,
     packed_size,
-    unpack,
 )
 from thinwire.compress.registry import register_compressor
+
+#: with ``per_row``, tensors whose rows hold fewer values keep one pair of scales: a row's
+#: 64 bits of scales would cost more than a bit per value
+MIN_ROW = 64
 
 
 @register_compressor
@@ -71,7 +71,8 @@ class OneBit(Compressor):
 
     Options:
         per_row: one pair of scales per row (first dimension) of each tensor of two or
-            more dimensions, instead of one pair per tensor.
+            more dimensions whose rows hold at least :data:`MIN_ROW` values, instead of
+            one pair per tensor.
     """
 
     per_row: bool = False
@@ -85,39 +86,37 @@ class OneBit(Compressor):
         if not isinstance(self.per_row, bool):
             raise ValueError(f"per_row must be true or false, got {self.per_row!r}")
         self.buffers = OutputBuffers()
+        self.block = BlockBuffer()
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Gather (signs, scales) from every rank and average their decodes."""
         check_floating(tensor)
         flat = tensor.reshape(-1)
-        packed, scales = self._encode(tensor)
-        local = self.buffers.take(slot.key, "local", flat)
-        decode_signs(packed, scales, out=local)
+        packed, scales = self._encode(flat, tensor.shape)
+        local = decode_signs(packed, scales, self.buffers.take(slot.key, "local", flat), self.block)
         gathered = yield Request.gather(packed, scales)
         mean = self.buffers.take(slot.key, "mean", flat)
-        scratch = self.buffers.take(slot.key, "scratch", flat) if scales.dim() == 2 else None
         for rank, (rank_packed, rank_scales) in enumerate(gathered):
-            decode_signs(
-                rank_packed, rank_scales / slot.world_size, mean, add=rank > 0, scratch=scratch
-            )
+            decode_signs(rank_packed, rank_scales / slot.world_size, mean, self.block, rank > 0)
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([packed signs, scales], numel)``; the scales
-        are ``[a, b]``, or ``(rows, 2)`` with ``per_row``."""
+        are ``[a, b]``, or ``(rows, 2)`` when the tensor is scaled per row."""
         check_floating(tensor)
-        return list(self._encode(tensor)), tensor.numel()
+        return list(self._encode(tensor.reshape(-1), tensor.shape)), tensor.numel()
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Decode one ``[packed signs, scales]`` payload of ``ctx`` values."""
         packed, scales = payload
-        return decode_signs(packed, scales, out=scales.new_empty(ctx))
+        return decode_signs(packed, scales, scales.new_empty(ctx), self.block)
 
-    def _encode(self, tensor: Tensor) -> tuple[Tensor, Tensor]:
-        """Signs and scales of ``tensor``: per row with ``per_row`` (and 2+ dimensions)."""
-        if self.per_row and tensor.dim() >= 2 and tensor.numel() > 0:
-            return encode_rows(tensor.reshape(tensor.shape[0], -1))
-        return encode(tensor.reshape(-1))
+    def _encode(self, flat: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+        """Signs and scales of the flattened tensor ``flat`` of ``shape``: per row with
+        ``per_row``, when its rows hold at least :data:`MIN_ROW` values."""
+        if self.per_row and len(shape) >= 2 and shape[0] > 0 and flat.numel() >= MIN_ROW * shape[0]:
+            return encode_rows(flat.view(shape[0], -1))
+        return encode(flat)
 
 
 def encode(flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,14 +143,14 @@ def encode(flat: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def encode_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """The sign bits of a contiguous ``(rows, cols)`` matrix, packed row after row, and the
+    """The sign bits of a ``(rows, cols)`` matrix, packed row after row, and the
     fp32 scales ``(rows, 2)``: ``[a_j, b_j]`` of each row, a block of rows at a time."""
     rows, cols = matrix.shape
     wide = torch.float64 if matrix.dtype == torch.float64 else torch.float32
     packed = torch.empty(packed_size(rows * cols, 1), dtype=torch.uint8, device=matrix.device)
     counts = torch.empty(rows, dtype=torch.int64, device=matrix.device)
     sums = torch.empty(rows, 2, dtype=torch.float64, device=matrix.device)
-    step = max(1, CHUNK // max(cols, 1) // 8) * 8  # whole bytes of signs per block
+    step = _rows_per_block(cols)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         block = matrix[lo:hi]
@@ -165,21 +164,62 @@ def encode_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def decode_signs(
-    packed: Tensor, scales: Tensor, out: Tensor, add: bool = False, scratch: Tensor | None = None
+    packed: Tensor, scales: Tensor, out: Tensor, block: BlockBuffer | None = None, add: bool = False
 ) -> Tensor:
     """``a`` where the packed sign bit is set, ``-b`` elsewhere, written into (with ``add``,
-    added to) the 1-D ``out``. Scales of shape ``(rows, 2)`` give each row of ``out`` its
-    own ``[a_j, b_j]``; adding those goes through ``scratch`` (``out``'s size) if given."""
+    added to) the contiguous ``out``, which is returned.
+
+    Scales of shape ``(rows, 2)`` give each row of ``out`` its own ``[a_j, b_j]``: a block
+    of rows at a time, the bits become ``t`` in {0, 1} (a table lookup), then
+    ``out = t * a_j + (t - 1) * b_j``. One of the two terms is always 0, so each value is
+    exactly ``a_j`` or ``-b_j`` (``-b + t * (a + b)`` would round). ``block`` keeps the
+    block of ``t`` from one call to the next.
+    """
     if scales.dim() == 1:
         a, b = scales
         return decode(packed, 1, torch.stack([-b, a]), out=out.view(-1), add=add)
     rows = scales.shape[0]
-    target = out.view(rows, -1)
-    if add:
-        target = scratch.view(rows, -1) if scratch is not None else torch.empty_like(target)
-    plus = unpack(packed, 1, out.numel()).view(torch.bool).view(rows, -1)
-    a, b = scales.to(out.dtype).unbind(1)
-    torch.where(plus, a.unsqueeze(1), b.neg().unsqueeze(1), out=target)  # exact: no a + b - b
-    if add:
-        out.view(rows, -1).add_(target)
+    matrix = out.view(rows, -1)
+    cols = matrix.shape[1]
+    a, b = (scale.unsqueeze(1) for scale in scales.to(out.dtype).unbind(1))
+    step = _rows_per_block(cols)
+    bits = torch.tensor([0.0, 1.0], dtype=out.dtype, device=out.device)
+    block = block if block is not None else BlockBuffer()
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        plus = block.take((hi - lo) * cols, out).view(hi - lo, cols)
+        decode(packed[lo * cols // 8 : packed_size(hi * cols, 1)], 1, bits, out=plus.view(-1))
+        part = matrix[lo:hi]
+        if add:
+            part.addcmul_(plus, a[lo:hi])
+        else:
+            torch.mul(plus, a[lo:hi], out=part)
+        part.addcmul_(plus.sub_(1), b[lo:hi])
     return out
+
+
+class BlockBuffer:
+    """A block-sized scratch tensor, reused by every per-row decode of one compressor."""
+
+    def __init__(self) -> None:
+        self._kept: Tensor | None = None
+
+    def take(self, numel: int, like: Tensor) -> Tensor:
+        """``numel`` values of ``like``'s dtype and device (grown when too small)."""
+        kept = self._kept
+        if (
+            kept is None
+            or kept.numel() < numel
+            or kept.dtype != like.dtype
+            or kept.device != like.device
+        ):
+            kept = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._kept = kept
+        return kept[:numel]
+
+
+def _rows_per_block(cols: int) -> int:
+    """Rows per block of :func:`encode_rows` and :func:`decode_signs`: about
+    :data:`~thinwire.compress.bits.CHUNK` values, a multiple of 8 rows so that every block
+    starts at a whole byte of signs."""
+    return max(1, CHUNK // max(cols, 1) // 8) * 8
