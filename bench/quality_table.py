@@ -1,0 +1,85 @@
+"""Quality table: each compressed run against dense, with issue 3's targets, as markdown.
+
+    python bench/quality_table.py docs/results/fashion-quality-2000-*.json
+
+Reads ``thinwire bench`` results files (one or more records each), takes the ``dense``
+record as the reference and prints one row per record: the held-out metric, its distance
+from dense (accuracy points; perplexity in percent) and whether it meets its target (DGC
+within 1 point / 3 %, the other compressors within 2 points / 5 %). Rows come out in the
+order of the files and records given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+#: (accuracy points, perplexity percent) a method may lose against dense
+TARGETS = {"dgc": (1.0, 3.0)}
+DEFAULT_TARGET = (2.0, 5.0)
+
+
+def load_records(paths: list[Path]) -> list[dict[str, Any]]:
+    """Every record of every results file, in order."""
+    records: list[dict[str, Any]] = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        records.extend(data["records"] if isinstance(data, dict) else data)
+    return records
+
+
+def describe(record: dict[str, Any]) -> str:
+    """The method and the options it ran with, e.g. ``dgc (warmup_steps=200)``."""
+    options = ", ".join(f"{k}={v}" for k, v in sorted(record.get("options", {}).items()))
+    return f"{record['method']} ({options})" if options else record["method"]
+
+
+def rows(records: list[dict[str, Any]]) -> list[str]:
+    """Markdown table rows: method, metric, vs dense, target, final train loss."""
+    dense = [r for r in records if r["method"] == "dense"]
+    if len(dense) != 1:
+        raise SystemExit(f"need exactly one dense record as the reference, got {len(dense)}")
+    reference = dense[0]
+    metric = reference["eval_metric"]
+    out = []
+    for record in records:
+        value = record["eval_value"]
+        if record is reference:
+            shown, versus, verdict = _shown(metric, value), "", ""
+        else:
+            points, percent = TARGETS.get(record["method"], DEFAULT_TARGET)
+            if metric == "accuracy":
+                delta = 100 * (value - reference["eval_value"])
+                versus, met = f"{delta:+.2f}", delta >= -points
+                goal = f"within {points:g}"
+            else:
+                delta = 100 * (value / reference["eval_value"] - 1)
+                versus, met = f"{delta:+.1f} %", delta <= percent
+                goal = f"within {percent:g} %"
+            shown = _shown(metric, value)
+            verdict = f"{goal}: {'met' if met else '**missed**'}"
+        loss = record["final_train_loss"]
+        out.append(f"| {describe(record)} | {shown} | {versus} | {verdict} | {loss:.3f} |")
+    return out
+
+
+def _shown(metric: str, value: float) -> str:
+    return f"{100 * value:.2f} %" if metric == "accuracy" else f"{value:.2f}"
+
+
+def main() -> None:
+    """Print the table for the results files on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path, help="thinwire bench results.json files")
+    args = parser.parse_args()
+    records = load_records(args.results)
+    metric = next(r["eval_metric"] for r in records)
+    print(f"| method | {metric} | vs dense | target | final train loss |")
+    print("|---|---:|---:|---|---:|")
+    print("\n".join(rows(records)))
+
+
+if __name__ == "__main__":
+    main()
