@@ -17,7 +17,7 @@ table of the 8 values it stands for, ``-b_r / N`` or ``a_r / N`` each
 Wire: n/8 bytes of signs + 8 bytes of scales, 1.064 bits per value at n = 1000 and
 1.0006 at n = 100 000.
 
-With ``per_row``, every row (index of the first dimension: an output channel of a
+With ``per_row`` (the default), every row (index of the first dimension: an output channel of a
 convolution, an output unit of a linear layer) has its own pair ``(a_j, b_j)``, as Seide et
 al. quantize column by column::
 
@@ -71,11 +71,11 @@ class OneBit(Compressor):
 
     Options:
         per_row: one pair of scales per row (first dimension) of each tensor of two or
-            more dimensions whose rows hold at least :data:`MIN_ROW` values, instead of
-            one pair per tensor.
+            more dimensions whose rows hold at least :data:`MIN_ROW` values (the default);
+            ``False``: one pair per tensor.
     """
 
-    per_row: bool = False
+    per_row: bool = True
 
     name = "onebit"
     summary = "1-bit SGD: signs 8 per byte + the mean of each sign group, gathered"
