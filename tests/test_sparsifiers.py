@@ -153,7 +153,7 @@ def test_dgc_buffers_are_reused_across_tensors_of_different_sizes() -> None:
     for x in (big, small, odd, big, odd):
         k = max(1, round(x.numel() * 0.01))
         assert set(dgc.select(x.reshape(-1), k, Slot("w", 0, 1)).tolist()) == exact_topk_set(x, k)
-    assert dgc._magnitude is not None and dgc._magnitude.numel() == big.numel()
+    assert dgc._magnitude.capacity == big.numel()  # grown once, for the largest
 
 
 def test_dgc_mask_padding_from_a_longer_tensor_is_cleared() -> None:

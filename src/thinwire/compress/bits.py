@@ -170,6 +170,30 @@ class OutputBuffers:
         return kept
 
 
+class ScratchBuffer:
+    """One scratch tensor reused from call to call, grown when a call needs more.
+
+    For work space that never leaves the function using it (a block of decoded values,
+    the magnitudes a selection ranks): allocated once per size class, not per call.
+    """
+
+    def __init__(self) -> None:
+        self._kept: Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Values the kept tensor holds (0 before the first call)."""
+        return 0 if self._kept is None else self._kept.numel()
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``numel`` values of ``dtype`` on ``device``; contents are left over, not zeroed."""
+        kept = self._kept
+        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != device:
+            kept = torch.empty(numel, dtype=dtype, device=device)
+            self._kept = kept
+        return kept[:numel]
+
+
 def _unreferenced(tensor: Tensor) -> bool:
     """Whether ``tensor`` is the only tensor using its memory (a bare storage object from
     ``untyped_storage()`` is not seen: hold a tensor). Without torch's storage use count,

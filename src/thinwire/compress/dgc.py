@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.base import Memory, Slot, check_fraction
+from thinwire.compress.bits import ScratchBuffer
 from thinwire.compress.feedback import DGCMemory
 from thinwire.compress.registry import register_compressor
 from thinwire.compress.topk import TopK
@@ -86,8 +87,8 @@ class DGC(TopK):
         self.last_candidates = 0
         #: thresholds the last selection tried (0: it went straight to exact top-k)
         self.last_tries = 0
-        self._magnitude: Tensor | None = None
-        self._mask: Tensor | None = None
+        self._magnitude = ScratchBuffer()
+        self._mask = ScratchBuffer()
 
     # -- what DGC adds to top-k -----------------------------------------------------------
 
@@ -157,20 +158,10 @@ class DGC(TopK):
         mask is padded to a multiple of 8 with ``False`` so it can be read as int64 words.
         """
         n = flat.numel()
-        magnitude = self._magnitude
-        if (
-            magnitude is None
-            or magnitude.numel() < n
-            or magnitude.dtype != flat.dtype
-            or magnitude.device != flat.device
-        ):
-            magnitude = torch.empty(n, dtype=flat.dtype, device=flat.device)
-            self._magnitude = magnitude
-            self._mask = torch.zeros(-(-n // 8) * 8, dtype=torch.bool, device=flat.device)
-        assert self._mask is not None
-        mask = self._mask[: -(-n // 8) * 8]
+        magnitude = self._magnitude.take(n, flat.dtype, flat.device)
+        mask = self._mask.take(-(-n // 8) * 8, torch.bool, flat.device)
         mask[n:] = False  # the padding, which a longer tensor may have set
-        return magnitude[:n], mask
+        return magnitude, mask
 
     # -- checkpointing --------------------------------------------------------------------
 

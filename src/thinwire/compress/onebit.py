@@ -52,6 +52,7 @@ from thinwire.compress.base import (
 from thinwire.compress.bits import (
     CHUNK,
     OutputBuffers,
+    ScratchBuffer,
     chunks,
     decode,
     pack,
@@ -86,7 +87,7 @@ class OneBit(Compressor):
         if not isinstance(self.per_row, bool):
             raise ValueError(f"per_row must be true or false, got {self.per_row!r}")
         self.buffers = OutputBuffers()
-        self.block = BlockBuffer()
+        self.block = ScratchBuffer()
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Gather (signs, scales) from every rank and average their decodes."""
@@ -164,7 +165,11 @@ def encode_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def decode_signs(
-    packed: Tensor, scales: Tensor, out: Tensor, block: BlockBuffer | None = None, add: bool = False
+    packed: Tensor,
+    scales: Tensor,
+    out: Tensor,
+    block: ScratchBuffer | None = None,
+    add: bool = False,
 ) -> Tensor:
     """``a`` where the packed sign bit is set, ``-b`` elsewhere, written into (with ``add``,
     added to) the contiguous ``out``, which is returned.
@@ -184,10 +189,10 @@ def decode_signs(
     a, b = (scale.unsqueeze(1) for scale in scales.to(out.dtype).unbind(1))
     step = _rows_per_block(cols)
     bits = torch.tensor([0.0, 1.0], dtype=out.dtype, device=out.device)
-    block = block if block is not None else BlockBuffer()
+    block = block if block is not None else ScratchBuffer()
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        plus = block.take((hi - lo) * cols, out).view(hi - lo, cols)
+        plus = block.take((hi - lo) * cols, out.dtype, out.device).view(hi - lo, cols)
         decode(packed[lo * cols // 8 : packed_size(hi * cols, 1)], 1, bits, out=plus.view(-1))
         part = matrix[lo:hi]
         if add:
@@ -196,26 +201,6 @@ def decode_signs(
             torch.mul(plus, a[lo:hi], out=part)
         part.addcmul_(plus.sub_(1), b[lo:hi])
     return out
-
-
-class BlockBuffer:
-    """A block-sized scratch tensor, reused by every per-row decode of one compressor."""
-
-    def __init__(self) -> None:
-        self._kept: Tensor | None = None
-
-    def take(self, numel: int, like: Tensor) -> Tensor:
-        """``numel`` values of ``like``'s dtype and device (grown when too small)."""
-        kept = self._kept
-        if (
-            kept is None
-            or kept.numel() < numel
-            or kept.dtype != like.dtype
-            or kept.device != like.device
-        ):
-            kept = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._kept = kept
-        return kept[:numel]
 
 
 def _rows_per_block(cols: int) -> int:
