@@ -1,12 +1,13 @@
 """Quality table: each compressed run against dense, with issue 3's targets, as markdown.
 
-    python bench/quality_table.py docs/results/fashion-quality-2000-*.json
+    python bench/quality_table.py docs/results/fashion-quality-2000-*.json [--plot out.png]
 
 Reads ``thinwire bench`` results files (one or more records each), takes the ``dense``
 record as the reference and prints one row per record: the held-out metric, its distance
 from dense (accuracy points; perplexity in percent) and whether it meets its target (DGC
 within 1 point / 3 %, the other compressors within 2 points / 5 %). Rows come out in the
-order of the files and records given.
+order of the files and records given. ``--plot`` draws their curves in one figure, as
+``thinwire bench`` does for the methods of one run.
 """
 
 from __future__ import annotations
@@ -73,8 +74,13 @@ def main() -> None:
     """Print the table for the results files on the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="thinwire bench results.json files")
+    parser.add_argument("--plot", type=Path, help="also plot every record's curves here")
     args = parser.parse_args()
     records = load_records(args.results)
+    if args.plot:
+        from thinwire.bench.report import plot
+
+        plot(records, args.plot)
     metric = next(r["eval_metric"] for r in records)
     print(f"| method | {metric} | vs dense | target | final train loss |")
     print("|---|---:|---:|---|---:|")
