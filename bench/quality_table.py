@@ -52,11 +52,11 @@ def rows(records: list[dict[str, Any]]) -> list[str]:
         else:
             points, percent = TARGETS.get(record["method"], DEFAULT_TARGET)
             if metric == "accuracy":
-                delta = 100 * (value - reference["eval_value"])
+                delta = round(100 * (value - reference["eval_value"]), 2)  # judged as shown
                 versus, met = f"{delta:+.2f}", delta >= -points
                 goal = f"within {points:g}"
             else:
-                delta = 100 * (value / reference["eval_value"] - 1)
+                delta = round(100 * (value / reference["eval_value"] - 1), 1)
                 versus, met = f"{delta:+.1f} %", delta <= percent
                 goal = f"within {percent:g} %"
             shown = _shown(metric, value)
