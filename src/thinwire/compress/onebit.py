@@ -1,6 +1,7 @@
 """1-bit SGD (Seide et al., 2014): one sign bit per value, one scale per sign group.
 
-With error feedback already added to ``g`` (the default memory)::
+For a whole tensor (``per_row=False``, or a tensor too narrow for rows; per row below),
+with error feedback already added to ``g`` (the default memory)::
 
     plus   = g >= 0                                   sign bits, packed 8 per byte
     a      = mean of g over plus                      scales, fp32; 0 for an empty group
@@ -17,9 +18,13 @@ table of the 8 values it stands for, ``-b_r / N`` or ``a_r / N`` each
 Wire: n/8 bytes of signs + 8 bytes of scales, 1.064 bits per value at n = 1000 and
 1.0006 at n = 100 000.
 
-With ``per_row`` (the default), every row (index of the first dimension: an output channel of a
-convolution, an output unit of a linear layer) has its own pair ``(a_j, b_j)``, as Seide et
-al. quantize column by column::
+Speed: the signs are found and packed, and the group sums taken, a cache-sized chunk at a
+time; ``mean`` and ``local`` are written into buffers kept from the tensor's last exchange
+(:class:`~thinwire.compress.bits.OutputBuffers`), so no full-size tensor is allocated.
+
+With ``per_row`` (the default), every row (index of the first dimension: an output channel
+of a convolution, an output unit of a linear layer) has its own pair ``(a_j, b_j)``, as
+Seide et al. quantize column by column::
 
     a_j    = mean of g[j] over plus[j]             b_j = mean of -g[j] over not plus[j]
     decode = a_j where plus, else -b_j              in row j
