@@ -19,6 +19,7 @@ from torch import nn
 
 import thinwire
 from thinwire.launch import init_local_group
+from thinwire.ps.channels import LocalPair
 from thinwire.ps.sharding import assign_shards
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -238,6 +239,19 @@ def _bad_options(rank: int, world: int) -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def test_an_in_process_answer_sent_before_a_failure_is_still_delivered() -> None:
+    # The colocated server answers "poisoned", then its thread fails; the worker waiting
+    # on it must read the answer (and raise NonFiniteGradientError), not the failure.
+    pair = LocalPair(timeout=5.0)
+    pair.server_end.send(torch.tensor([7.0], dtype=torch.float64)).wait()
+    pair.failure = RuntimeError("server thread stopped")
+    answer = torch.empty(1, dtype=torch.float64)
+    pair.worker_end.recv(answer).wait()
+    assert float(answer[0]) == 7.0
+    with pytest.raises(thinwire.CommunicationError, match="server thread stopped"):
+        pair.worker_end.recv(answer).wait()
 
 
 def test_a_non_finite_gradient_stops_every_worker_with_a_clear_error(pool2) -> None:

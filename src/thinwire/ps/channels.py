@@ -115,6 +115,11 @@ class _Take(Pending):
         end = self._end
         deadline = time.monotonic() + end.timeout
         while True:
+            try:  # what the other side sent before it failed (e.g. why it failed) comes first
+                tensor = end.into.get_nowait()
+                break
+            except queue.Empty:
+                pass
             if end.pair.failure is not None:
                 raise CommunicationError(
                     f"the other side in this process failed: {end.pair.failure}"
