@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from thinwire.bench.methods import parse_methods
-from thinwire.bench.runner import BenchConfig, run_bench
+from thinwire.bench.runner import BenchConfig, run_bench, split_link_time
 from thinwire.cluster import check_can_emulate, list_namespaces
 from thinwire.tasks import task
 
@@ -215,8 +215,21 @@ def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
     assert ring <= records["dense"]["bytes_sent_per_step"] < 1.25 * ring
     assert records["local"]["bytes_sent_per_step"] < 0.01 * ring
     assert records["dense"]["allreduce_bandwidth_bps"] > 0  # the link was probed
+    # with the ring's fixed cost taken out, the probes see the configured 50 Mbit/s
+    assert records["dense"]["allreduce_link_bps"] == pytest.approx(50e6, rel=0.15)
+    assert records["dense"]["allreduce_fixed_s"] >= 0
     assert set(list_namespaces()) <= before  # the run's cluster went away
     assert (tmp_path / "results.json").exists()
+
+
+def test_split_link_time_recovers_bandwidth_and_fixed_cost() -> None:
+    def seconds(wire: float) -> float:
+        return 0.012 + wire * 8 / 1e9
+
+    bandwidth, fixed = split_link_time(16.8e6, seconds(16.8e6), 140e6, seconds(140e6))
+    assert bandwidth == pytest.approx(1e9) and fixed == pytest.approx(0.012)
+    assert split_link_time(16.8e6, 0.2, 140e6, 0.2) == (None, None)  # no slope: no fit
+    assert split_link_time(16.8e6, 0.2, 16.8e6, 0.3) == (None, None)
 
 
 def test_command_line_rejects_bad_input_and_writes_the_plot(tmp_path: Path) -> None:

@@ -98,6 +98,12 @@ class BenchConfig:
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
 
+#: the second link probe carries about this many seconds more of link time than the first
+LINK_PROBE_EXTRA_S = 1.0
+#: ... but at most this many more elements (128 MB per rank)
+LINK_PROBE_MAX_NUMEL = 32 * 1024 * 1024
+
+
 def run_bench(config: BenchConfig, out: Path, console: Console | None = None) -> list[dict]:
     """Run every method of ``config``, write ``out/results.json`` and return the records."""
     console = console or Console()
@@ -111,7 +117,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
         with LocalPool(config.workers, collective_timeout_s=600, placement=placement) as pool:
             pool.run(_ready, timeout=300)
             if placement is not None and config.workers > 1:
-                describe.update(_measure_link(pool, config, console))
+                describe.update(_measure_link(pool, config, console, describe["bandwidth_bps"]))
             with Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -174,25 +180,56 @@ def _ready(rank: int, world_size: int) -> int:
     return rank
 
 
-def _measure_link(pool: LocalPool, config: BenchConfig, console: Console) -> dict[str, Any]:
-    """Time one dense all-reduce of the model's size: the bandwidth the ring delivers."""
+def _measure_link(
+    pool: LocalPool, config: BenchConfig, console: Console, rate_bps: float | None
+) -> dict[str, Any]:
+    """Time dense all-reduces on the links: one of the model's size (the bandwidth the ring
+    delivers to this model, latency included) and one carrying about
+    ``LINK_PROBE_EXTRA_S`` more of link time, whose difference is the link's bandwidth
+    with the fixed cost of an all-reduce (its ring steps' latency) taken out."""
     from thinwire.tasks import task as build_task
 
     model = build_task(config.task, **config.task_options).build_model()
     numel = sum(p.numel() for p in model.parameters())
-    with console.status(f"measuring the links: one all-reduce of {numel * 4 / 1e6:.1f} MB"):
-        seconds = max(pool.run(probe_allreduce, numel, timeout=config.timeout_s))
-    wire = 2 * (config.workers - 1) / config.workers * numel * 4
-    measured = wire * 8 / seconds
-    console.print(
-        f"all-reduce of {numel * 4 / 1e6:.1f} MB: {seconds:.2f} s, "
-        f"{measured / 1e6:.1f} Mbit/s per link delivered"
+    share = 2 * (config.workers - 1) / config.workers  # of the payload each link carries
+    extra = int(rate_bps / 8 * LINK_PROBE_EXTRA_S / share / 4) if rate_bps else numel
+    extra = min(max(extra, 1024), LINK_PROBE_MAX_NUMEL)
+    with console.status(
+        f"measuring the links: all-reduces of {numel * 4 / 1e6:.1f} and "
+        f"{(numel + extra) * 4 / 1e6:.1f} MB"
+    ):
+        per_rank = pool.run(probe_allreduce, (numel, numel + extra), timeout=config.timeout_s)
+    small, big = (max(times[i] for times in per_rank) for i in range(2))
+    delivered = share * numel * 4 * 8 / small
+    link, fixed = split_link_time(share * numel * 4, small, share * (numel + extra) * 4, big)
+    line = (
+        f"all-reduce of {numel * 4 / 1e6:.1f} MB: {small:.3f} s, "
+        f"{delivered / 1e6:.1f} Mbit/s per link delivered"
     )
+    if link and fixed is not None:
+        line += f"; link bandwidth {link / 1e6:.1f} Mbit/s plus {fixed * 1e3:.1f} ms fixed"
+    console.print(line)
     return {
         "allreduce_probe_bytes": numel * 4,
-        "allreduce_probe_s": seconds,
-        "allreduce_bandwidth_bps": measured,
+        "allreduce_probe_s": small,
+        "allreduce_bandwidth_bps": delivered,
+        "allreduce_big_probe_bytes": (numel + extra) * 4,
+        "allreduce_big_probe_s": big,
+        "allreduce_link_bps": link,
+        "allreduce_fixed_s": fixed,
     }
+
+
+def split_link_time(
+    small_bytes: float, small_s: float, big_bytes: float, big_s: float
+) -> tuple[float | None, float | None]:
+    """Fit ``seconds = fixed + bytes * 8 / bandwidth`` through two transfers (the bytes
+    each link carries): ``(bandwidth_bps, fixed_s)``, or ``(None, None)`` when the bigger
+    transfer was not slower (the measurement cannot separate the two)."""
+    if not big_bytes > small_bytes or not big_s > small_s:
+        return None, None
+    bandwidth = (big_bytes - small_bytes) * 8 / (big_s - small_s)
+    return bandwidth, small_s - small_bytes * 8 / bandwidth
 
 
 @contextlib.contextmanager

@@ -153,16 +153,26 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     return result
 
 
-def probe_allreduce(rank: int, world_size: int, numel: int) -> float:
-    """Seconds one fp32 all-reduce of ``numel`` elements takes (slowest rank's view is
-    taken by the caller): the network's delivered bandwidth with the model's volume."""
+def probe_allreduce(
+    rank: int, world_size: int, sizes: tuple[int, ...], repeats: int = 2
+) -> list[float]:
+    """Seconds one fp32 all-reduce of each of ``sizes`` elements takes, the fastest of
+    ``repeats`` (the caller takes the slowest rank's view). Two sizes separate the link's
+    bandwidth from the fixed cost (latency) of an all-reduce."""
     warm = torch.ones(1024)
     dist.all_reduce(warm)
-    payload = torch.ones(numel)
-    dist.barrier()
-    began = time.perf_counter()
-    dist.all_reduce(payload)
-    return time.perf_counter() - began
+    fastest = []
+    for numel in sizes:
+        payload = torch.ones(numel)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            began = time.perf_counter()
+            dist.all_reduce(payload)
+            times.append(time.perf_counter() - began)
+        fastest.append(min(times))
+        del payload
+    return fastest
 
 
 def _engine_summary(history: list[Any]) -> dict[str, float] | None:
