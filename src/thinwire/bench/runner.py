@@ -98,9 +98,9 @@ class BenchConfig:
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
 
-#: the second link probe carries about this many seconds more of link time than the first
-LINK_PROBE_EXTRA_S = 1.0
-#: ... but at most this many more elements (128 MB per rank)
+#: seconds of link time of the two all-reduces that separate bandwidth from fixed cost
+LINK_PROBE_S = (0.5, 2.5)
+#: ... but neither probe is larger than this many elements (128 MB per rank)
 LINK_PROBE_MAX_NUMEL = 32 * 1024 * 1024
 
 
@@ -184,37 +184,38 @@ def _measure_link(
     pool: LocalPool, config: BenchConfig, console: Console, rate_bps: float | None
 ) -> dict[str, Any]:
     """Time dense all-reduces on the links: one of the model's size (the bandwidth the ring
-    delivers to this model, latency included) and one carrying about
-    ``LINK_PROBE_EXTRA_S`` more of link time, whose difference is the link's bandwidth
-    with the fixed cost of an all-reduce (its ring steps' latency) taken out."""
+    delivers to this model, latency included), and two that keep each link busy for about
+    ``LINK_PROBE_S`` seconds, whose difference is the link's bandwidth with the fixed cost
+    of an all-reduce (its ring steps' latency) taken out."""
     from thinwire.tasks import task as build_task
 
     model = build_task(config.task, **config.task_options).build_model()
     numel = sum(p.numel() for p in model.parameters())
     share = 2 * (config.workers - 1) / config.workers  # of the payload each link carries
-    extra = int(rate_bps / 8 * LINK_PROBE_EXTRA_S / share / 4) if rate_bps else numel
-    extra = min(max(extra, 1024), LINK_PROBE_MAX_NUMEL)
-    with console.status(
-        f"measuring the links: all-reduces of {numel * 4 / 1e6:.1f} and "
-        f"{(numel + extra) * 4 / 1e6:.1f} MB"
-    ):
-        per_rank = pool.run(probe_allreduce, (numel, numel + extra), timeout=config.timeout_s)
-    small, big = (max(times[i] for times in per_rank) for i in range(2))
-    delivered = share * numel * 4 * 8 / small
-    link, fixed = split_link_time(share * numel * 4, small, share * (numel + extra) * 4, big)
+    fit = [
+        min(max(int(rate_bps / 8 * seconds / share / 4), 1024), LINK_PROBE_MAX_NUMEL)
+        if rate_bps
+        else numel
+        for seconds in LINK_PROBE_S
+    ]
+    with console.status(f"measuring the links: all-reduces of {numel * 4 / 1e6:.1f} MB and more"):
+        per_rank = pool.run(probe_allreduce, (numel, *fit), timeout=config.timeout_s)
+    model_s, small_s, big_s = (max(times[i] for times in per_rank) for i in range(3))
+    delivered = share * numel * 4 * 8 / model_s
+    link, fixed = split_link_time(share * fit[0] * 4, small_s, share * fit[1] * 4, big_s)
     line = (
-        f"all-reduce of {numel * 4 / 1e6:.1f} MB: {small:.3f} s, "
+        f"all-reduce of {numel * 4 / 1e6:.1f} MB: {model_s:.3f} s, "
         f"{delivered / 1e6:.1f} Mbit/s per link delivered"
     )
     if link and fixed is not None:
-        line += f"; link bandwidth {link / 1e6:.1f} Mbit/s plus {fixed * 1e3:.1f} ms fixed"
+        line += f"; the link: {link / 1e6:.1f} Mbit/s plus {fixed * 1e3:.1f} ms per all-reduce"
     console.print(line)
     return {
         "allreduce_probe_bytes": numel * 4,
-        "allreduce_probe_s": small,
+        "allreduce_probe_s": model_s,
         "allreduce_bandwidth_bps": delivered,
-        "allreduce_big_probe_bytes": (numel + extra) * 4,
-        "allreduce_big_probe_s": big,
+        "allreduce_fit_bytes": [n * 4 for n in fit],
+        "allreduce_fit_s": [small_s, big_s],
         "allreduce_link_bps": link,
         "allreduce_fixed_s": fixed,
     }
