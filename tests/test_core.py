@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import thinwire
 from thinwire.cli import main
 from thinwire.compress import Slot, run_locally
+from thinwire.compress.base import all_finite
 from thinwire.compress.bits import pack, packed_size, unpack
 from thinwire.compress.feedback import ResidualMemory
 
@@ -22,6 +23,36 @@ def test_pack_unpack_round_trip(bits: int, count: int, seed: int) -> None:
     assert packed.dtype == torch.uint8
     assert packed.numel() == packed_size(count, bits) == -(-count * bits // 8)
     assert torch.equal(unpack(packed, bits, count), codes.to(torch.uint8))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    size=st.integers(1, 2000),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+    specials=st.lists(
+        st.tuples(
+            st.integers(0, 1999), st.sampled_from([float("nan"), float("inf"), -float("inf")])
+        ),
+        max_size=3,
+    ),
+    scale=st.sampled_from([1.0, 1e30, 3e38]),
+    seed=st.integers(0, 99),
+)
+def test_all_finite_agrees_with_the_entrywise_check(
+    size: int, dtype: torch.dtype, specials: list[tuple[int, float]], scale: float, seed: int
+) -> None:
+    values = torch.rand(size, generator=torch.Generator().manual_seed(seed)) * scale
+    tensor = values.to(dtype)  # huge scales overflow to inf in the narrow dtypes, as they should
+    for index, special in specials:
+        tensor[index % size] = special
+    assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
+def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:
+    big = torch.full((4,), 3e38)  # every entry finite, their float32 sum is inf
+    assert torch.isinf(big.sum()) and all_finite(big)
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # sum NaN
+    assert all_finite(torch.empty(0)) and all_finite(torch.arange(3))
 
 
 def test_unsupported_bit_width_is_refused() -> None:

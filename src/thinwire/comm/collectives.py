@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from thinwire.compress.base import Aggregation, Compressor, Op, Request
+from thinwire.compress.base import Aggregation, Compressor, Op, Request, all_finite
 from thinwire.errors import CommunicationError, IncompatibleCompressorError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -150,7 +150,7 @@ class AllReduceCommunicator(Communicator):
             traffic.add(
                 _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
             )
-            poisoned |= not bool(torch.isfinite(flat).all())
+            poisoned |= not all_finite(flat)
             pieces = iter(_split(flat, tensors))
             for i in members:
                 answers[i] = [next(pieces) for _ in requests[i].tensors]

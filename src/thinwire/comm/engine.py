@@ -24,7 +24,14 @@ from torch import Tensor
 
 from thinwire.comm.collectives import Communicator, Traffic, make_communicator
 from thinwire.comm.worker import OrderedWorker
-from thinwire.compress.base import Compressor, Exchanged, Memory, Slot, check_floating
+from thinwire.compress.base import (
+    Compressor,
+    Exchanged,
+    Memory,
+    Slot,
+    all_finite,
+    check_floating,
+)
 from thinwire.compress.none import NoCompression
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
@@ -150,7 +157,7 @@ class GradientExchange:
         runs: list[_Run] = []
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
-            if not bool(torch.isfinite(item.grad).all()):
+            if not all_finite(item.grad):
                 not_finite.append(item.key)
             slot = Slot(item.key, self.step, self.world_size, self.rank)
             compressed = self.compressor.compresses(item.grad)

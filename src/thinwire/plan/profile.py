@@ -27,7 +27,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from thinwire.compress.base import Aggregation, Compressor, Memory, Op, Request, Slot
+from thinwire.compress.base import (
+    Aggregation,
+    Compressor,
+    Memory,
+    Op,
+    Request,
+    Slot,
+    all_finite,
+)
 from thinwire.compress.none import NoCompression
 from thinwire.plan.cost import (
     ALLGATHER,
@@ -346,7 +354,7 @@ class _ThinwireEngine:
     def __call__(self, bucket: _Bucket, run: int) -> list[Collective]:
         runs = []
         for name, grad, param in zip(bucket.names, bucket.views, bucket.params, strict=True):
-            bool(torch.isfinite(grad).all())
+            all_finite(grad)
             slot = Slot(name, self.steady + run, self.world, 0)
             compressed = self.compressor.compresses(grad)
             chosen = self.compressor if compressed else self.dense
