@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,25 @@ def describe(record: dict[str, Any]) -> str:
     """The method and the options it ran with, e.g. ``dgc (warmup_steps=200)``."""
     options = ", ".join(f"{k}={v}" for k, v in sorted(record.get("options", {}).items()))
     return f"{record['method']} ({options})" if options else record["method"]
+
+
+def plot_labels(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records as the plot should name them: a method that appears more than once
+    (``dgc`` with and without masking) is named with the options that tell its records
+    apart (``dgc (masking=False)``), so no two curves or bars share a label."""
+    counts = Counter(r["method"] for r in records)
+    labelled = []
+    for record in records:
+        method = record["method"]
+        if counts[method] == 1:
+            labelled.append(record)
+            continue
+        siblings = [r.get("options", {}) for r in records if r["method"] == method]
+        options = record.get("options", {})
+        differing = {k: v for k, v in options.items() if any(o.get(k) != v for o in siblings)}
+        label = describe({"method": method, "options": differing})
+        labelled.append({**record, "method": label})
+    return labelled
 
 
 def rows(records: list[dict[str, Any]]) -> list[str]:
@@ -80,7 +100,7 @@ def main() -> None:
     if args.plot:
         from thinwire.bench.report import plot
 
-        plot(records, args.plot)
+        plot(plot_labels(records), args.plot)
     metric = next(r["eval_metric"] for r in records)
     print(f"| method | {metric} | vs dense | target | final train loss |")
     print("|---|---:|---:|---|---:|")

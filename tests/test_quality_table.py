@@ -75,3 +75,16 @@ def test_records_are_read_from_results_files(quality_table: ModuleType, tmp_path
     second.write_text(json.dumps([record("dgc", "accuracy", 0.89)]))
     records = quality_table.load_records([first, second])
     assert [r["method"] for r in records] == ["dense", "dgc"]
+
+
+def test_plot_labels_tell_repeated_methods_apart(quality_table: ModuleType) -> None:
+    records = [
+        record("dense", "perplexity", 3.1),
+        record("dgc", "perplexity", 3.3, warmup_steps=2000),
+        record("dgc", "perplexity", 3.2, masking=False, warmup_steps=2000),
+        record("onebit", "perplexity", 3.2),
+    ]
+    labels = [r["method"] for r in quality_table.plot_labels(records)]
+    # the options both dgc records share say nothing: only masking tells them apart
+    assert labels == ["dense", "dgc", "dgc (masking=False)", "onebit"]
+    assert [r["method"] for r in records][1] == "dgc"  # the records themselves are untouched
