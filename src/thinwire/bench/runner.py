@@ -8,7 +8,10 @@ same initial weights on the same batches. Each record in ``DIR/results.json`` ho
 method, its options, the network, the step-time medians over the measured steps (after
 DGC's warm-up), the bytes each rank sent per step as counted by the kernel, the final
 training loss and the held-out metric. ``local`` (no exchange) gives the compute-only step
-time, so ``scaling_efficiency = local step time / method step time``.
+time, so ``scaling_efficiency = local step time / method step time``. On the emulated
+cluster the links are probed first: one all-reduce of the model's size (the bandwidth the
+ring delivers to it) and two larger ones that separate the link's bandwidth from the fixed
+cost of an all-reduce.
 """
 
 from __future__ import annotations
