@@ -217,7 +217,8 @@ def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
     assert records["dense"]["allreduce_bandwidth_bps"] > 0  # the link was probed
     # with the ring's fixed cost taken out, the probes see the configured 50 Mbit/s
     assert records["dense"]["allreduce_link_bps"] == pytest.approx(50e6, rel=0.15)
-    assert records["dense"]["allreduce_fixed_s"] >= 0
+    # a few ms of latency per all-reduce, give or take the fit's noise; not seconds
+    assert abs(records["dense"]["allreduce_fixed_s"]) < 0.1
     assert set(list_namespaces()) <= before  # the run's cluster went away
     assert (tmp_path / "results.json").exists()
 

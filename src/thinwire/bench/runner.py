@@ -195,17 +195,19 @@ def _measure_link(
     model = build_task(config.task, **config.task_options).build_model()
     numel = sum(p.numel() for p in model.parameters())
     share = 2 * (config.workers - 1) / config.workers  # of the payload each link carries
-    fit = [
+    fit = [  # no rate (an unlimited cluster): nothing to aim the fit at, so no fit
         min(max(int(rate_bps / 8 * seconds / share / 4), 1024), LINK_PROBE_MAX_NUMEL)
-        if rate_bps
-        else numel
-        for seconds in LINK_PROBE_S
+        for seconds in (LINK_PROBE_S if rate_bps else ())
     ]
     with console.status(f"measuring the links: all-reduces of {numel * 4 / 1e6:.1f} MB and more"):
         per_rank = pool.run(probe_allreduce, (numel, *fit), timeout=config.timeout_s)
-    model_s, small_s, big_s = (max(times[i] for times in per_rank) for i in range(3))
+    model_s, *fit_s = (max(times[i] for times in per_rank) for i in range(1 + len(fit)))
     delivered = share * numel * 4 * 8 / model_s
-    link, fixed = split_link_time(share * fit[0] * 4, small_s, share * fit[1] * 4, big_s)
+    link, fixed = (
+        split_link_time(share * fit[0] * 4, fit_s[0], share * fit[1] * 4, fit_s[1])
+        if fit
+        else (None, None)
+    )
     line = (
         f"all-reduce of {numel * 4 / 1e6:.1f} MB: {model_s:.3f} s, "
         f"{delivered / 1e6:.1f} Mbit/s per link delivered"
@@ -218,7 +220,7 @@ def _measure_link(
         "allreduce_probe_s": model_s,
         "allreduce_bandwidth_bps": delivered,
         "allreduce_fit_bytes": [n * 4 for n in fit],
-        "allreduce_fit_s": [small_s, big_s],
+        "allreduce_fit_s": fit_s,
         "allreduce_link_bps": link,
         "allreduce_fixed_s": fixed,
     }
