@@ -188,8 +188,9 @@ def _measure_link(
 ) -> dict[str, Any]:
     """Time dense all-reduces on the links: one of the model's size (the bandwidth the ring
     delivers to this model, latency included), and two that keep each link busy for about
-    ``LINK_PROBE_S`` seconds, whose difference is the link's bandwidth with the fixed cost
-    of an all-reduce (its ring steps' latency) taken out."""
+    ``LINK_PROBE_S`` seconds (at most ``LINK_PROBE_MAX_NUMEL`` elements), whose difference
+    is the link's bandwidth with the fixed cost of an all-reduce (its ring steps' latency)
+    taken out."""
     from thinwire.tasks import task as build_task
 
     model = build_task(config.task, **config.task_options).build_model()

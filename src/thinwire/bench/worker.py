@@ -157,8 +157,8 @@ def probe_allreduce(
     rank: int, world_size: int, sizes: tuple[int, ...], repeats: int = 2
 ) -> list[float]:
     """Seconds one fp32 all-reduce of each of ``sizes`` elements takes, the fastest of
-    ``repeats`` (the caller takes the slowest rank's view). Two sizes separate the link's
-    bandwidth from the fixed cost (latency) of an all-reduce."""
+    ``repeats`` (the caller takes the slowest rank's view); the caller fits the link's
+    bandwidth and the fixed cost (latency) of an all-reduce through two of them."""
     warm = torch.ones(1024)
     dist.all_reduce(warm)
     fastest = []
