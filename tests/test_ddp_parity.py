@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thinwire
+from thinwire.comm.engine import GradientExchange, GradientItem
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -115,3 +116,89 @@ def dgc_vs_sgd(rank: int, world: int, masking: bool) -> float:
 @pytest.mark.parametrize("masking", [False, True], ids=["momentum-sgd", "masked-plain-sgd"])
 def test_dgc_at_full_density_equals_sgd(pool, masking: bool) -> None:
     assert max(pool.run(dgc_vs_sgd, masking)) < 1e-5
+
+
+# -- rounds fused across buckets ------------------------------------------------------------
+
+
+def fused_against_unfused(
+    rank: int, world: int, compressor: str, options: dict
+) -> tuple[float, int, int]:
+    """Train the several-bucket model with each bucket's later rounds sent with the next
+    bucket's first, and without; return the largest relative difference of the averaged
+    gradients and the collectives each issued on the last step."""
+    results = []
+    for fuse in (True, False):
+        model = DDP(_model(), bucket_cap_mb=0.005)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        engine = thinwire.register(model, compressor, fuse_rounds=fuse, **options)
+        grads = []
+        for x, y in _batches(rank, 3, 32):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.detach().numpy().copy() for p in model.parameters()])
+            opt.step()
+        assert engine.in_flight == 0
+        results.append((grads, engine.last_step.collectives))
+    (fused, fused_count), (alone, alone_count) = results
+    worst = max(
+        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12))
+        for ga, gb in zip(fused, alone)
+        for a, b in zip(ga, gb)
+    )
+    return worst, fused_count, alone_count
+
+
+@pytest.mark.parametrize(
+    ("compressor", "options", "rounds"),
+    [
+        ("powersgd", {"rank": 2}, 2),  # P, then Q: two sums
+        ("terngrad", {}, 2),  # the scaler's max, then the codes' gather
+        ("dgc", {"density": 0.1}, 1),  # one gather: nothing to fuse
+    ],
+)
+def test_fused_rounds_give_the_same_gradients_with_fewer_collectives(
+    pool, compressor: str, options: dict, rounds: int
+) -> None:
+    for worst, fused, alone in pool.run(fused_against_unfused, compressor, options):
+        # the same numbers summed; only the fused buffers' layout (rounding order) differs
+        assert worst < 1e-5, worst
+        if rounds == 1:
+            assert fused == alone
+        else:  # B buckets: 2B collectives alone, B + 1 fused (the last flushes alone)
+            assert alone >= 4 and fused == alone // 2 + 1, (fused, alone)
+
+
+def fused_schedule(rank: int, world: int) -> tuple[list, list, float, str]:
+    """Three batches through ``exchange_fused`` (the last with ``last=True``): which batches
+    each call finished, what stayed in flight, the largest difference from ``exchange``,
+    and what ``end_step`` says when a step ends with a batch still in flight."""
+    gen = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(8, 6, generator=gen) for _ in range(3)]
+    fused_engine, plain_engine = GradientExchange("powersgd"), GradientExchange("powersgd")
+    finished, in_flight, means = [], [], {}
+    for i, grad in enumerate(grads):
+        done = fused_engine.exchange_fused([GradientItem(f"w{i}", grad.clone())], i, i == 2)
+        finished.append([token for token, _ in done])
+        in_flight.append(fused_engine.in_flight)
+        means.update({token: mean for token, (mean,) in done})
+    fused_engine.end_step()
+    worst = max(
+        float((means[i] - plain_engine.exchange([GradientItem(f"w{i}", g.clone())])[0]).abs().max())
+        for i, g in enumerate(grads)
+    )
+    fused_engine.exchange_fused([GradientItem("w0", grads[0].clone())], 0, last=False)
+    try:
+        fused_engine.end_step()
+        complaint = "no error"
+    except RuntimeError as error:
+        complaint = str(error)
+    return finished, in_flight, worst, complaint
+
+
+def test_exchange_fused_finishes_each_batch_with_the_next_and_flushes_at_the_last(pool2) -> None:
+    for finished, in_flight, worst, complaint in pool2.run(fused_schedule):
+        assert finished == [[], [0], [1, 2]]
+        assert in_flight == [1, 1, 0]
+        assert worst < 1e-5
+        assert "last=True" in complaint

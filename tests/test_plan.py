@@ -34,6 +34,7 @@ from thinwire.plan import (
     step_time,
 )
 from thinwire.plan.methods import Kind
+from thinwire.plan.profile import fuse_bucket_rounds
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -257,7 +258,9 @@ def engine_bytes(compressor: thinwire.Compressor, params, world: int, step: int)
 )
 def test_thinwire_traffic_matches_the_engine(method: str, options: dict) -> None:
     params = named(Net())
-    cost = measure_method(method, params, world_size=4, options=options, repeats=1)
+    cost = measure_method(
+        method, params, world_size=4, options=options, repeats=1, fuse_rounds=False
+    )
     steady = options.get("warmup_steps", 0)  # past DGC's warm-up
     expected = engine_bytes(thinwire.compressor(method, **options), params, 4, steady)
     gathers = sum(c.kind == ALLGATHER for b in cost.buckets for c in b.collectives)
@@ -270,6 +273,33 @@ def test_thinwire_traffic_matches_the_engine(method: str, options: dict) -> None
     rounds = 2 if method == "powersgd" else 1
     if method != "fp16":  # fp16 payloads and fp32 biases: two dtypes, two all-reduces
         assert all(len(b.collectives) == rounds for b in cost.buckets)
+
+
+def test_fused_rounds_move_a_buckets_second_round_into_the_next_buckets_first() -> None:
+    params = named(Net())
+
+    def cost(method: str, options: dict, fuse: bool) -> MethodCost:
+        return measure_method(
+            method, params, world_size=4, options=options, repeats=1, fuse_rounds=fuse
+        )
+
+    alone, fused = (cost("powersgd", {"rank": 2}, fuse) for fuse in (False, True))
+    (p0, q0), (p1, q1) = (b.collectives for b in alone.buckets)
+    assert [[c.nbytes for c in b.collectives] for b in fused.buckets] == [
+        [p0.nbytes],
+        [q0.nbytes + p1.nbytes, q1.nbytes],
+    ]
+    assert fused.payload_bytes == alone.payload_bytes and fused.collectives == 3
+    one_round = [cost("dgc", {"density": 0.01}, fuse) for fuse in (False, True)]
+    assert [b.collectives for b in one_round[0].buckets] == [
+        b.collectives for b in one_round[1].buckets
+    ]
+
+
+def test_fuse_bucket_rounds_sends_one_round_per_bucket_then_flushes() -> None:
+    rounds = [[{"s": 1}, {"s": 2}, {"s": 4}], [{"s": 8}], [{"s": 16}, {"s": 32}]]
+    got = fuse_bucket_rounds(rounds, lambda r: [Collective(ALLREDUCE, sum(r.values()))])
+    assert [[c.nbytes for c in b] for b in got] == [[1], [2 + 8], [4 + 16, 32]]
 
 
 def test_dgc_compresses_large_matrices_about_500x() -> None:

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
     )
+    parser.add_argument(
+        "--no-fuse-rounds",
+        action="store_true",
+        help="run each DDP bucket's compressor rounds alone instead of sending a bucket's "
+        "later rounds with the next bucket's first (thinwire compressors of several rounds)",
+    )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
     parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
 
@@ -108,6 +114,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             measure_from=args.measure_from,
             evaluate=not args.no_eval,
             bucket_cap_mb=args.bucket_cap_mb,
+            fuse_rounds=not args.no_fuse_rounds,
             lr_schedule=args.lr_schedule,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError

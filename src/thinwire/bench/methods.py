@@ -136,11 +136,13 @@ def wrap(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     bucket_cap_mb: float | None = None,
+    fuse_rounds: bool = True,
 ) -> Wrapped:
     """``model`` made data parallel by ``method``.
 
     ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
-    and 25 MB after it; also the bucket size of ``dga``). Call on every rank after
+    and 25 MB after it; also the bucket size of ``dga``). ``fuse_rounds``: the DDP hook's
+    option of the same name (:func:`thinwire.register`). Call on every rank after
     ``torch.distributed`` is initialised (except for ``local``). ``ps-*`` run colocated:
     every rank is a worker and ranks ``0 .. servers-1`` also serve a shard.
     """
@@ -172,7 +174,7 @@ def wrap(
         )
         return Wrapped(model, ps, None, ps.close)
     if kind in EMBEDDING_KINDS:
-        return _wrap_embedding_model(method, model, optimizer, bucket_cap_mb)
+        return _wrap_embedding_model(method, model, optimizer, bucket_cap_mb, fuse_rounds)
     if kind is Kind.DDP_POWERSGD:
         # powerSGD_hook issues its Q all-reduce from a future callback; with several
         # buckets on gloo the ranks then issue collectives in different orders (a gloo
@@ -192,7 +194,9 @@ def wrap(
         state = powerSGD_hook.PowerSGDState(process_group=None, **method.options)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return Wrapped(ddp, optimizer)
-    engine = thinwire.register(ddp, method.name, optimizer=optimizer, **method.options)
+    engine = thinwire.register(
+        ddp, method.name, optimizer=optimizer, fuse_rounds=fuse_rounds, **method.options
+    )
     return Wrapped(ddp, optimizer, engine)
 
 
@@ -201,6 +205,7 @@ def _wrap_embedding_model(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     bucket_cap_mb: float | None,
+    fuse_rounds: bool = True,
 ) -> Wrapped:
     """A model :func:`prepare` made sparse, under DDP (which leaves the tables alone), with
     the dense part's compressor if one is named."""
@@ -219,7 +224,11 @@ def _wrap_embedding_model(
     engine = None
     if options["compressor"] != "none":
         engine = thinwire.register(
-            ddp, options["compressor"], optimizer=optimizer, **options["compressor_options"]
+            ddp,
+            options["compressor"],
+            optimizer=optimizer,
+            fuse_rounds=fuse_rounds,
+            **options["compressor_options"],
         )
     return Wrapped(
         ddp, optimizer, engine, export=lambda: dense_embeddings(model), lookahead=lookahead

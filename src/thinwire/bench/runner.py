@@ -61,6 +61,7 @@ class BenchConfig:
     measure_from: int | None = None
     evaluate: bool = True
     bucket_cap_mb: float | None = None
+    fuse_rounds: bool = True
     timeout_s: float = 3600.0
     lr_schedule: str = "constant"
 
@@ -144,6 +145,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         progress=progress_file,
                         evaluate=config.evaluate,
                         bucket_cap_mb=config.bucket_cap_mb,
+                        fuse_rounds=config.fuse_rounds,
                         lr_schedule=config.lr_schedule,
                     )
                     Path(progress_file).unlink(missing_ok=True)
@@ -339,6 +341,7 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
         task.loss,
         modelled,
         world_size=config.workers,
+        fuse_rounds=config.fuse_rounds,
         **buckets,
     )
     emulated = EmulatedCluster(config.workers, config.bandwidth, config.latency, tag="plan")

@@ -44,6 +44,7 @@ class BenchJob:
     progress: str | None = None
     evaluate: bool = True
     bucket_cap_mb: float | None = None
+    fuse_rounds: bool = True
     lr_schedule: str = "constant"
 
 
@@ -89,7 +90,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     method = job.method
     if own_momentum and job.weight_decay and "weight_decay" not in method.options:
         method = Method(method.name, {**method.options, "weight_decay": job.weight_decay})
-    parallel = wrap(method, model, optimizer, job.bucket_cap_mb)
+    parallel = wrap(method, model, optimizer, job.bucket_cap_mb, job.fuse_rounds)
     wrapped, stepper, engine = parallel.model, parallel.optimizer, parallel.engine
     wrapped.train()
     if dist.is_initialized():

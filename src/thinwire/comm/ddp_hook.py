@@ -7,9 +7,17 @@ waits for the returned futures at the end of the backward pass. thinwire's hook 
 bucket's exchange on the engine's ordered thread and returns at once, so compression and
 communication of early buckets overlap the rest of the backward pass. The future resolves
 to the bucket buffer holding the averaged gradients; the last bucket closes the step.
+
+With ``fuse_rounds`` (the default), a compressor that needs several rounds per bucket
+(PowerSGD's P and Q, TernGrad's scaler and codes) sends bucket i's later rounds in the same
+collectives as bucket i+1's first (:meth:`GradientExchange.exchange_fused`): about half the
+collectives, each with its fixed cost of latency, at the price of bucket i finishing when
+bucket i+1 is ready, which DDP only needs by the end of the backward pass. One-round
+compressors are not affected.
 """
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,10 +32,14 @@ from thinwire.compress.registry import compressor as build_compressor
 
 @dataclass
 class HookState:
-    """What the hook needs: the engine and each parameter's name by identity."""
+    """What the hook needs: the engine, each parameter's name by identity, whether rounds
+    are fused across buckets, and the futures of buckets still in flight."""
 
     engine: GradientExchange
     names: dict[int, str]
+    fuse_rounds: bool = True
+    waiting: list[torch.futures.Future] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def register(
@@ -37,6 +49,7 @@ def register(
     communicator: str | Communicator = "auto",
     optimizer: torch.optim.Optimizer | None = None,
     memory: Memory | None = None,
+    fuse_rounds: bool = True,
     **options: Any,
 ) -> GradientExchange:
     """Make ``model`` (a DDP module) exchange gradients through ``compressor``.
@@ -48,6 +61,8 @@ def register(
         optimizer: if given, checked against the compressor (DGC applies momentum itself,
             so an optimizer that adds its own momentum is refused with an explanation).
         memory: override the compressor's default error-feedback memory.
+        fuse_rounds: send each bucket's later rounds with the next bucket's first (fewer
+            collectives; see the module docstring). ``False``: each bucket's rounds alone.
         **options: compressor options when ``compressor`` is a name (e.g. ``density``).
 
     Returns:
@@ -69,7 +84,8 @@ def register(
     engine = GradientExchange(built, communicator=communicator, memory=memory, group=group)
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     engine.verify((n, p.shape) for n, p in named)
-    model.register_comm_hook(HookState(engine, {id(p): n for n, p in named}), compressed_hook)
+    state = HookState(engine, {id(p): n for n, p in named}, fuse_rounds=fuse_rounds)
+    model.register_comm_hook(state, compressed_hook)
     return engine
 
 
@@ -88,13 +104,39 @@ def compressed_hook(
     ]
     is_last = bucket.is_last()
     engine = state.engine
+    if not state.fuse_rounds:
 
-    def job() -> torch.Tensor:
-        means = engine.exchange(items)
-        for view, mean in zip(views, means, strict=True):
-            view.copy_(mean)
-        if is_last:
-            engine.end_step()
-        return buffer
+        def job() -> torch.Tensor:
+            means = engine.exchange(items)
+            for view, mean in zip(views, means, strict=True):
+                view.copy_(mean)
+            if is_last:
+                engine.end_step()
+            return buffer
 
-    return engine.submit(job)
+        return engine.submit(job)
+
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    with state.lock:
+        state.waiting.append(future)
+
+    def fused_job() -> None:
+        try:
+            finished = engine.exchange_fused(items, (views, buffer, future), last=is_last)
+            for (done_views, done_buffer, done_future), means in finished:
+                for view, mean in zip(done_views, means, strict=True):
+                    view.copy_(mean)
+                with state.lock:
+                    state.waiting.remove(done_future)
+                done_future.set_result(done_buffer)
+            if is_last:
+                engine.end_step()
+        except BaseException as error:  # every bucket still waiting would wait forever
+            with state.lock:
+                failed, state.waiting[:] = list(state.waiting), []
+            for waiting in failed:
+                waiting.set_exception(error)
+            raise
+
+    engine.submit(fused_job)
+    return future

@@ -91,12 +91,37 @@ class StepStats:
 
 @dataclass
 class _Run:
+    """One tensor's exchange in progress: its protocol and the request it waits on."""
+
     slot: Slot
     compressed: bool
     corrected: Tensor
     protocol: Any
+    request: Any = None
     result: Exchanged | None = None
-    answer: Any = None
+
+    def advance(self, answer: Any) -> None:
+        """Hand the protocol ``answer`` (``None`` to start it); keep its next request, or
+        its result once it returns."""
+        try:
+            self.request = self.protocol.send(answer)
+        except StopIteration as stop:
+            self.request, self.result = None, stop.value
+
+
+@dataclass
+class _Batch:
+    """The tensors of one :meth:`GradientExchange.exchange` call (a bucket) in flight."""
+
+    items: Sequence[GradientItem]
+    runs: list[_Run]
+    not_finite: list[str]
+    token: Any = None
+
+    @property
+    def done(self) -> bool:
+        """Whether every tensor's protocol has returned."""
+        return all(run.result is not None for run in self.runs)
 
 
 class GradientExchange:
@@ -128,6 +153,7 @@ class GradientExchange:
         self.history: collections.deque[StepStats] = collections.deque(maxlen=history)
         self._current = StepStats(step=0)
         self._worker: OrderedWorker | None = None
+        self._in_flight: list[_Batch] = []
 
     # -- running exchanges ----------------------------------------------------------------
 
@@ -150,55 +176,111 @@ class GradientExchange:
     def exchange(self, items: Sequence[GradientItem]) -> list[Tensor]:
         """Average ``items``' gradients over all ranks (blocking); returns the means in the
         gradients' dtypes. Every rank must call this with the same keys and shapes."""
-        started = time.perf_counter()
-        communicate_s = 0.0
-        stats = self._current
-        not_finite = []
-        runs: list[_Run] = []
+        started, communicated = time.perf_counter(), 0.0
+        batch = self._start(items)
+        try:
+            first = True
+            while not batch.done:
+                communicated += self._round([batch], fresh=batch if first else None)
+                first = False
+        finally:
+            self._account(started, communicated)
+        return self._finish(batch)
+
+    def exchange_fused(
+        self, items: Sequence[GradientItem], token: Any, last: bool
+    ) -> list[tuple[Any, list[Tensor]]]:
+        """Start ``items``' exchange and run one round of it *fused* with the next round of
+        every earlier batch still in flight; with ``last``, run rounds until none is left.
+
+        A protocol of several rounds (PowerSGD: P, then Q) then costs one collective per
+        batch plus one, instead of one per round per batch: batch i's second round travels
+        with batch i+1's first. The schedule depends only on the order of the calls, so
+        every rank issues the same collectives. Returns ``(token, means)`` for each batch
+        this call finished, oldest first. Every rank must make the same calls, ending each
+        step with ``last=True``; if a round fails, every batch in flight is dropped.
+        """
+        started, communicated = time.perf_counter(), 0.0
+        batch = self._start(items, token)
+        self._in_flight.append(batch)
+        try:
+            communicated += self._round(self._in_flight, fresh=batch)
+            while last and not all(b.done for b in self._in_flight):
+                communicated += self._round(self._in_flight, fresh=None)
+        except BaseException:
+            self._in_flight.clear()
+            raise
+        finally:
+            self._account(started, communicated)
+        finished = [b for b in self._in_flight if b.done]
+        self._in_flight = [b for b in self._in_flight if not b.done]
+        return [(b.token, self._finish(b)) for b in finished]
+
+    @property
+    def in_flight(self) -> int:
+        """Batches started by :meth:`exchange_fused` whose rounds are not all done."""
+        return len(self._in_flight)
+
+    def _start(self, items: Sequence[GradientItem], token: Any = None) -> _Batch:
+        """Compensate every gradient and start its protocol, up to its first request."""
+        batch = _Batch(items, [], [], token)
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
             if not all_finite(item.grad):
-                not_finite.append(item.key)
+                batch.not_finite.append(item.key)
             slot = Slot(item.key, self.step, self.world_size, self.rank)
             compressed = self.compressor.compresses(item.grad)
             chosen = self.compressor if compressed else self.dense
             corrected = self.memory.compensate(item.grad, slot, item.param)
-            runs.append(_Run(slot, compressed, corrected, chosen.exchange(corrected, slot)))
-            stats.dense_bytes += item.grad.numel() * 4
-        first_round = True
-        while True:
-            requests, owners = [], []
-            for run in runs:
-                if run.result is not None:
-                    continue
-                try:
-                    requests.append(run.protocol.send(run.answer))
-                    owners.append(run)
-                except StopIteration as stop:
-                    run.result = stop.value
-            if not requests:
-                break
-            before = time.perf_counter()
-            outcome = self.communicator.execute(requests, poison=first_round and bool(not_finite))
-            communicate_s += time.perf_counter() - before
-            stats.traffic.add(outcome.traffic)
-            if outcome.poisoned:
-                raise NonFiniteGradientError(_non_finite_message(self.step, self.rank, not_finite))
-            first_round = False
-            for run, answer in zip(owners, outcome.answers, strict=True):
-                run.answer = answer
+            run = _Run(slot, compressed, corrected, chosen.exchange(corrected, slot))
+            run.advance(None)
+            batch.runs.append(run)
+            self._current.dense_bytes += item.grad.numel() * 4
+        return batch
+
+    def _round(self, batches: Sequence[_Batch], fresh: _Batch | None) -> float:
+        """Execute the pending request of every unfinished run of ``batches`` as one round
+        (fused collectives), hand each run its answer; return the seconds spent
+        communicating. ``fresh``: the batch whose first round this is (its non-finite
+        gradients poison the round, so that every rank raises together)."""
+        owners = [run for b in batches for run in b.runs if run.result is None]
+        if not owners:
+            return 0.0
+        poison = fresh is not None and bool(fresh.not_finite)
+        before = time.perf_counter()
+        outcome = self.communicator.execute([run.request for run in owners], poison=poison)
+        spent = time.perf_counter() - before
+        self._current.traffic.add(outcome.traffic)
+        if outcome.poisoned:
+            keys = fresh.not_finite if fresh is not None else []
+            raise NonFiniteGradientError(_non_finite_message(self.step, self.rank, keys))
+        for run, answer in zip(owners, outcome.answers, strict=True):
+            run.advance(answer)
+        return spent
+
+    def _finish(self, batch: _Batch) -> list[Tensor]:
+        """Let the memory keep what was not sent; the means in the gradients' dtypes."""
         means = []
-        for item, run in zip(items, runs, strict=True):
+        for item, run in zip(batch.items, batch.runs, strict=True):
             assert run.result is not None
             self.memory.update(run.corrected, run.result, run.slot, run.compressed)
             means.append(run.result.mean.reshape(item.grad.shape).to(item.grad.dtype))
-        stats.tensors += len(items)
-        stats.communicate_s += communicate_s
-        stats.compress_s += time.perf_counter() - started - communicate_s
+        self._current.tensors += len(batch.items)
         return means
+
+    def _account(self, started: float, communicated: float) -> None:
+        """Add one call's time to the current step: communication, and the rest as math."""
+        self._current.communicate_s += communicated
+        self._current.compress_s += time.perf_counter() - started - communicated
 
     def end_step(self) -> StepStats:
         """Close the current optimizer step: record its statistics, advance the counter."""
+        if self._in_flight:
+            self._in_flight.clear()
+            raise RuntimeError(
+                "end_step() with exchanges still in flight: the step's last exchange_fused() "
+                "call must pass last=True (their results were dropped)"
+            )
         stats = self._current
         stats.payload_bytes = stats.traffic.payload
         stats.sent_bytes = stats.traffic.sent

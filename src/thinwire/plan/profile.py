@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -197,10 +197,14 @@ def measure_method(
     bucket_cap_mb: float = BUCKET_CAP_MB,
     repeats: int = 3,
     seed: int = 0,
+    fuse_rounds: bool = True,
 ) -> MethodCost:
     """What ``method`` sends per step for parameters ``params`` and how long its
     compression takes (median of ``repeats`` steps after one warm-up step, past any density
-    warm-up), bucketed as DDP does (ready order and fractions from ``compute``)."""
+    warm-up), bucketed as DDP does (ready order and fractions from ``compute``).
+    ``fuse_rounds``: thinwire's DDP hook sends each bucket's later rounds with the next
+    bucket's first (:func:`fuse_bucket_rounds`), as :func:`thinwire.register` does by
+    default."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
     if repeats < 1:
@@ -233,7 +237,10 @@ def measure_method(
     buckets = _measure_buckets(
         params, groups, exchanger, repeats, seed, ready_of, timed=kind is not Kind.DDP
     )
-    return MethodCost(method, tuple(buckets), dense_bytes, opts)
+    if fuse_rounds and isinstance(exchanger, _ThinwireEngine):
+        fused = fuse_bucket_rounds([b.rounds for b in buckets], exchanger.collectives)
+        buckets = [b.with_collectives(c) for b, c in zip(buckets, fused, strict=True)]
+    return MethodCost(method, tuple(b.cost for b in buckets), dense_bytes, opts)
 
 
 def _wrapper_cost(
@@ -257,7 +264,9 @@ def _wrapper_cost(
     timed = options["compressor"] != "none"
     buckets = _measure_buckets(params, groups, exchanger, repeats, seed, None, timed=timed)
     dense_bytes = sum(p.numel() * 4 for _, p in params)
-    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=kind.value)
+    return MethodCost(
+        method, tuple(b.cost for b in buckets), dense_bytes, options, schedule=kind.value
+    )
 
 
 def _measure_buckets(
@@ -269,7 +278,7 @@ def _measure_buckets(
     ready_of: Callable[[list[str]], float] | None,
     *,
     timed: bool,
-) -> list[BucketCost]:
+) -> list[_Measured]:
     """Run ``exchanger`` on each bucket of ``groups`` (one warm-up, then ``repeats``
     timed runs on fresh random gradients): its collectives and, if ``timed``, the median
     compression time; ``ready_of(names)`` is when the bucket is ready (default: 1.0)."""
@@ -289,8 +298,21 @@ def _measure_buckets(
                     times.append(time.perf_counter() - started)
             ready = ready_of(names) if ready_of is not None and names else 1.0
             compress_s = statistics.median(times) if timed else 0.0
-            buckets.append(BucketCost(ready, compress_s, tuple(collectives), bucket.numel))
+            cost = BucketCost(ready, compress_s, tuple(collectives), bucket.numel)
+            buckets.append(_Measured(cost, list(getattr(exchanger, "rounds", []))))
     return buckets
+
+
+@dataclass
+class _Measured:
+    """A measured bucket: its cost, and its rounds when a thinwire engine exchanged it."""
+
+    cost: BucketCost
+    rounds: list[RoundBytes]
+
+    def with_collectives(self, collectives: list[Collective]) -> _Measured:
+        """The same bucket sending ``collectives`` instead."""
+        return _Measured(replace(self.cost, collectives=tuple(collectives)), self.rounds)
 
 
 # -- the bucket a hook sees -----------------------------------------------------------------
@@ -348,6 +370,8 @@ class _ThinwireEngine:
         self.dense = NoCompression()
         self.world = world
         self.gather = compressor.aggregation is Aggregation.GATHER
+        #: the last bucket's rounds, bytes per fused buffer
+        self.rounds: list[RoundBytes] = []
         #: the first step past any density warm-up
         self.steady = int(getattr(compressor, "warmup_steps", 0) or 0)
 
@@ -361,7 +385,7 @@ class _ThinwireEngine:
             corrected = self.memory.compensate(grad, slot, param)
             runs.append([slot, compressed, corrected, chosen.exchange(corrected, slot), None])
         answers: list[Any] = [None] * len(runs)
-        collectives: list[Collective] = []
+        self.rounds = []
         while True:
             requests, owners = [], []
             for i, entry in enumerate(runs):
@@ -374,24 +398,61 @@ class _ThinwireEngine:
                     entry[4] = stop.value
             if not requests:
                 break
-            collectives.extend(self._fused(requests))
+            self.rounds.append(self._round_bytes(requests))
             for i, request in zip(owners, requests, strict=True):
                 answers[i] = _answer(request, self.world)
         for entry, grad in zip(runs, bucket.views, strict=True):
             slot, compressed, corrected, _, result = entry
             self.memory.update(corrected, result, slot, compressed)
             grad.copy_(result.mean.reshape(grad.shape))
-        return collectives
+        return [c for r in self.rounds for c in self.collectives(r)]
 
-    def _fused(self, requests: Sequence[Request]) -> list[Collective]:
-        if self.gather:
-            payload = sum(_nbytes(t) for r in requests for t in r.tensors)
-            return [Collective(ALLGATHER, payload + 1)]  # + the engine's status byte
-        fused: dict[tuple[Op, torch.dtype], int] = {}
+    def _round_bytes(self, requests: Sequence[Request]) -> RoundBytes:
+        """Bytes of one round's requests per fused buffer (one buffer under all-gather)."""
+        fused: RoundBytes = {}
         for request in requests:
-            key = (request.op, request.tensors[0].dtype)
+            key = "gather" if self.gather else (request.op, request.tensors[0].dtype)
             fused[key] = fused.get(key, 0) + sum(_nbytes(t) for t in request.tensors)
+        return fused
+
+    def collectives(self, fused: RoundBytes) -> list[Collective]:
+        """The collectives of one round: one all-gather (plus the engine's status byte),
+        or one all-reduce per (op, dtype)."""
+        if self.gather:
+            return [Collective(ALLGATHER, sum(fused.values()) + 1)]
         return [Collective(ALLREDUCE, nbytes) for nbytes in fused.values()]
+
+
+#: bytes of one round's requests, per fused buffer: ``(op, dtype)``, or ``"gather"``
+RoundBytes = dict[Any, int]
+
+
+def fuse_bucket_rounds(
+    rounds: Sequence[Sequence[RoundBytes]],
+    collectives: Callable[[RoundBytes], list[Collective]],
+) -> list[list[Collective]]:
+    """Each bucket's collectives when rounds are fused across buckets, as
+    :meth:`thinwire.comm.engine.GradientExchange.exchange_fused` runs them: bucket i's job
+    sends one round holding the next round of every earlier bucket still in flight and
+    bucket i's first; the last bucket's job then runs rounds until none is left.
+    ``rounds[i]``: bucket i's rounds when it runs alone."""
+    in_flight: list[list[RoundBytes]] = []
+    per_bucket = []
+    for index, own in enumerate(rounds):
+        in_flight.append(list(own))
+        sent: list[Collective] = []
+        while any(in_flight):
+            merged: RoundBytes = {}
+            for pending in in_flight:
+                if pending:
+                    for key, nbytes in pending.pop(0).items():
+                        merged[key] = merged.get(key, 0) + nbytes
+            sent.extend(collectives(merged))
+            in_flight = [pending for pending in in_flight if pending]
+            if index < len(rounds) - 1:
+                break  # one round per job until the last bucket's
+        per_bucket.append(sent)
+    return per_bucket
 
 
 def _answer(request: Request, world: int) -> Any:
@@ -534,9 +595,11 @@ def profile_model(
     repeats: int = 5,
     method_repeats: int = 3,
     bucket_cap_mb: float = BUCKET_CAP_MB,
+    fuse_rounds: bool = True,
 ) -> Profile:
     """Measure ``model``'s compute on ``batch`` and each method's traffic and compression
-    time (``methods``: name -> options) for ``world_size`` workers."""
+    time (``methods``: name -> options) for ``world_size`` workers (``fuse_rounds``: see
+    :func:`measure_method`)."""
     for name, opts in methods.items():
         method_options(name, opts)  # fail fast, before the slow part
     compute = measure_compute(model, batch, loss_fn, repeats=repeats)
@@ -550,6 +613,7 @@ def profile_model(
             compute=compute,
             bucket_cap_mb=bucket_cap_mb,
             repeats=method_repeats,
+            fuse_rounds=fuse_rounds,
         )
         for name, opts in methods.items()
     }
