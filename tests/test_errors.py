@@ -190,3 +190,27 @@ def test_lost_peer_gives_a_communication_error_not_a_hang(
     assert kind == "error" and step == 3, (kind, step, message)
     assert "peer rank has probably died" in message
     assert "timeout: 0:00:04" in message  # the error names the group's real timeout
+
+
+def nan_in_the_last_bucket(rank: int, world: int) -> str:
+    """Rank 1's first layer (DDP's last bucket) gets a NaN gradient while the earlier
+    bucket's PowerSGD Q round is still in flight, to be fused with it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = DDP(net, bucket_cap_mb=0.01)  # several buckets
+    engine = thinwire.register(model, "powersgd", rank=1)
+    if rank == 1:
+        net[0].weight.register_hook(lambda grad: grad * float("nan"))
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    except Exception as error:
+        return f"{type(error).__name__}: {error} (in flight after: {engine.in_flight})"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_nan_in_a_later_bucket_with_fused_rounds_fails_every_rank(pool2) -> None:
+    messages = pool2.run(nan_in_the_last_bucket, timeout=60)
+    assert "non-finite gradient" in messages[0] and "another rank" in messages[0], messages[0]
+    assert "on this rank (1) in 0.weight" in messages[1], messages[1]
+    assert all("in flight after: 0" in m for m in messages), messages
