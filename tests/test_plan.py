@@ -34,7 +34,6 @@ from thinwire.plan import (
     step_time,
 )
 from thinwire.plan.methods import Kind
-from thinwire.plan.profile import fuse_bucket_rounds
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -294,12 +293,6 @@ def test_fused_rounds_move_a_buckets_second_round_into_the_next_buckets_first() 
     assert [b.collectives for b in one_round[0].buckets] == [
         b.collectives for b in one_round[1].buckets
     ]
-
-
-def test_fuse_bucket_rounds_sends_one_round_per_bucket_then_flushes() -> None:
-    rounds = [[{"s": 1}, {"s": 2}, {"s": 4}], [{"s": 8}], [{"s": 16}, {"s": 32}]]
-    got = fuse_bucket_rounds(rounds, lambda r: [Collective(ALLREDUCE, sum(r.values()))])
-    assert [[c.nbytes for c in b] for b in got] == [[1], [2 + 8], [4 + 16, 32]]
 
 
 def test_dgc_compresses_large_matrices_about_500x() -> None:

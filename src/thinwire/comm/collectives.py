@@ -140,7 +140,7 @@ class AllReduceCommunicator(Communicator):
         traffic = Traffic()
         answers: list[Any] = [None] * len(requests)
         poisoned = False
-        for (op, dtype), members in _group_by_op_and_dtype(requests).items():
+        for (op, dtype), members in group_by_op_and_dtype(requests).items():
             tensors = [t for i in members for t in requests[i].tensors]
             flat = _flatten(tensors, dtype)
             if poison:
@@ -215,7 +215,8 @@ def make_communicator(
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _group_by_op_and_dtype(requests: Sequence[Request]) -> dict[tuple[Op, torch.dtype], list[int]]:
+def group_by_op_and_dtype(requests: Sequence[Request]) -> dict[tuple[Op, torch.dtype], list[int]]:
+    """Indices of ``requests`` by (op, dtype): the requests one fused all-reduce carries."""
     groups: dict[tuple[Op, torch.dtype], list[int]] = {}
     for i, request in enumerate(requests):
         dtypes = {t.dtype for t in request.tensors}

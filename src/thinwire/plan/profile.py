@@ -5,13 +5,15 @@
   during the backward pass (which decides how much communication can overlap it).
 - :func:`ddp_buckets`: DDP's gradient buckets (after its first-iteration rebuild: in the
   order gradients become ready, the first one capped at 1 MiB, the others at 25 MiB).
-- :func:`measure_method`: per bucket, the collectives a method issues (kind and bytes,
-  fused per round as thinwire's engine or PyTorch's hooks do) and the CPU time of its
-  compression and decompression, on random gradients of the model's real shapes. Gathered
-  payloads are decoded ``world_size`` times, as every rank decodes every rank's payload.
+- :func:`measure_method`: per bucket, the collectives a method issues (kind and bytes)
+  and the CPU time of its compression and decompression, on random gradients of the
+  model's real shapes. thinwire's methods run through thinwire's own exchange engine
+  (memory, protocols, rounds fused across buckets); PyTorch's hooks through a copy of
+  their tensor math. Gathered payloads are decoded ``world_size`` times, as every rank
+  decodes every rank's payload.
 
-No ``torch.distributed`` process group is needed: exchange protocols are answered locally
-(a sum is ``world_size`` copies of this rank's payload, a gather ``world_size`` payloads).
+No ``torch.distributed`` process group is needed: collectives are answered locally (a sum
+is ``world_size`` copies of this rank's payload, a gather ``world_size`` payloads).
 """
 
 from __future__ import annotations
@@ -21,22 +23,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from thinwire.compress.base import (
-    Aggregation,
-    Compressor,
-    Memory,
-    Op,
-    Request,
-    Slot,
-    all_finite,
-)
-from thinwire.compress.none import NoCompression
+from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
+from thinwire.comm.engine import GradientExchange, GradientItem
+from thinwire.compress.base import Aggregation, Compressor, Op, Request
 from thinwire.plan.cost import (
     ALLGATHER,
     ALLREDUCE,
@@ -202,9 +197,8 @@ def measure_method(
     """What ``method`` sends per step for parameters ``params`` and how long its
     compression takes (median of ``repeats`` steps after one warm-up step, past any density
     warm-up), bucketed as DDP does (ready order and fractions from ``compute``).
-    ``fuse_rounds``: thinwire's DDP hook sends each bucket's later rounds with the next
-    bucket's first (:func:`fuse_bucket_rounds`), as :func:`thinwire.register` does by
-    default."""
+    ``fuse_rounds``: a thinwire compressor's later rounds travel with the next bucket's
+    first, as :func:`thinwire.register` does by default."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
     if repeats < 1:
@@ -232,15 +226,12 @@ def measure_method(
         # explicitly is the first bucket's too
         first = FIRST_BUCKET_MB if bucket_cap_mb == BUCKET_CAP_MB else bucket_cap_mb
         groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first)
-    exchanger = _exchanger(kind, method, opts, world_size)
+    exchanger = _exchanger(kind, method, opts, world_size, fuse_rounds)
     ready_of = (lambda names: max(compute.ready[n] for n in names)) if compute else None
     buckets = _measure_buckets(
         params, groups, exchanger, repeats, seed, ready_of, timed=kind is not Kind.DDP
     )
-    if fuse_rounds and isinstance(exchanger, _ThinwireEngine):
-        fused = fuse_bucket_rounds([b.rounds for b in buckets], exchanger.collectives)
-        buckets = [b.with_collectives(c) for b, c in zip(buckets, fused, strict=True)]
-    return MethodCost(method, tuple(b.cost for b in buckets), dense_bytes, opts)
+    return MethodCost(method, tuple(buckets), dense_bytes, opts)
 
 
 def _wrapper_cost(
@@ -259,14 +250,14 @@ def _wrapper_cost(
     names = [n for n, _ in reversed(params)]
     groups = ddp_buckets(params, names, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=BUCKET_CAP_MB)
     exchanger = _ThinwireEngine(
-        build(options["compressor"], **options["compressor_options"]), world_size
+        build(options["compressor"], **options["compressor_options"]),
+        world_size,
+        fuse_rounds=False,  # the optimizer wrappers exchange bucket by bucket
     )
     timed = options["compressor"] != "none"
     buckets = _measure_buckets(params, groups, exchanger, repeats, seed, None, timed=timed)
     dense_bytes = sum(p.numel() * 4 for _, p in params)
-    return MethodCost(
-        method, tuple(b.cost for b in buckets), dense_bytes, options, schedule=kind.value
-    )
+    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=kind.value)
 
 
 def _measure_buckets(
@@ -278,41 +269,35 @@ def _measure_buckets(
     ready_of: Callable[[list[str]], float] | None,
     *,
     timed: bool,
-) -> list[_Measured]:
-    """Run ``exchanger`` on each bucket of ``groups`` (one warm-up, then ``repeats``
-    timed runs on fresh random gradients): its collectives and, if ``timed``, the median
-    compression time; ``ready_of(names)`` is when the bucket is ready (default: 1.0)."""
+) -> list[BucketCost]:
+    """Run ``exchanger`` on the buckets of ``groups``, in order, for one warm-up step and
+    ``repeats`` timed steps on fresh random gradients: each bucket's collectives and, if
+    ``timed``, its median compression time; ``ready_of(names)`` is when the bucket is ready
+    (default: 1.0)."""
     by_name = dict(params)
     generator = torch.Generator().manual_seed(seed)
-    buckets = []
+    buckets = [
+        _Bucket(index, [(n, by_name[n]) for n in names]) for index, names in enumerate(groups)
+    ]
+    times: list[list[float]] = [[] for _ in buckets]
+    collectives: list[list[Collective]] = [[] for _ in buckets]
     with one_thread():
-        for index, names in enumerate(groups):
-            bucket = _Bucket(index, [(n, by_name[n]) for n in names])
-            times: list[float] = []
-            collectives: list[Collective] = []
-            for run in range(repeats + 1):
+        for run in range(repeats + 1):
+            for bucket in buckets:
                 bucket.fill(generator)
                 started = time.perf_counter()
-                collectives = exchanger(bucket, run)
+                collectives[bucket.index] = exchanger(bucket, run, bucket is buckets[-1])
                 if run:
-                    times.append(time.perf_counter() - started)
-            ready = ready_of(names) if ready_of is not None and names else 1.0
-            compress_s = statistics.median(times) if timed else 0.0
-            cost = BucketCost(ready, compress_s, tuple(collectives), bucket.numel)
-            buckets.append(_Measured(cost, list(getattr(exchanger, "rounds", []))))
-    return buckets
-
-
-@dataclass
-class _Measured:
-    """A measured bucket: its cost, and its rounds when a thinwire engine exchanged it."""
-
-    cost: BucketCost
-    rounds: list[RoundBytes]
-
-    def with_collectives(self, collectives: list[Collective]) -> _Measured:
-        """The same bucket sending ``collectives`` instead."""
-        return _Measured(replace(self.cost, collectives=tuple(collectives)), self.rounds)
+                    times[bucket.index].append(time.perf_counter() - started)
+    return [
+        BucketCost(
+            ready_of(names) if ready_of is not None and names else 1.0,
+            statistics.median(times[bucket.index]) if timed else 0.0,
+            tuple(collectives[bucket.index]),
+            bucket.numel,
+        )
+        for bucket, names in zip(buckets, groups, strict=True)
+    ]
 
 
 # -- the bucket a hook sees -----------------------------------------------------------------
@@ -336,20 +321,29 @@ class _Bucket:
         """Fresh random gradients (small, like real ones)."""
         self.buffer.copy_(torch.randn(self.numel, generator=generator)).mul_(1e-3)
 
+    def store(self, means: Sequence[Tensor]) -> None:
+        """Write the averaged gradients into the bucket, as a DDP hook's future does."""
+        for view, mean in zip(self.views, means, strict=True):
+            view.copy_(mean)
 
-Exchanger = Callable[[_Bucket, int], list[Collective]]
+
+#: exchanges one bucket: ``(bucket, run, last)`` -> the collectives it issued (``run``: the
+#: step's index; ``last``: the step's last bucket); the averaged gradients land in the bucket
+Exchanger = Callable[[_Bucket, int, bool], list[Collective]]
 
 
-def _exchanger(kind: Kind, method: str, options: Mapping[str, Any], world: int) -> Exchanger:
+def _exchanger(
+    kind: Kind, method: str, options: Mapping[str, Any], world: int, fuse_rounds: bool
+) -> Exchanger:
     if kind is Kind.DDP:
-        return lambda bucket, run: [Collective(ALLREDUCE, bucket.numel * 4)]
+        return lambda bucket, run, last: [Collective(ALLREDUCE, bucket.numel * 4)]
     if kind is Kind.DDP_FP16:
-        return lambda bucket, run: _fp16_hook(bucket, world)
+        return lambda bucket, run, last: _fp16_hook(bucket, world)
     if kind is Kind.DDP_POWERSGD:
         return _TorchPowerSGD(options, world)
     from thinwire.compress.registry import compressor as build
 
-    return _ThinwireEngine(build(method, **options), world)
+    return _ThinwireEngine(build(method, **options), world, fuse_rounds)
 
 
 def _fp16_hook(bucket: _Bucket, world: int) -> list[Collective]:
@@ -359,100 +353,59 @@ def _fp16_hook(bucket: _Bucket, world: int) -> list[Collective]:
     return [Collective(ALLREDUCE, half.numel() * half.element_size())]
 
 
-class _ThinwireEngine:
-    """thinwire's exchange engine for one bucket, collectives answered locally: memory ->
-    compressor protocols in lock-step -> one fused collective per round (per (op, dtype)
-    under all-reduce; all requests plus a status byte under all-gather) -> memory update."""
+class _LocalCommunicator(Communicator):
+    """A communicator without peers: answers each round as if every rank had sent this
+    rank's payload, and records the collectives the real one would issue (one all-gather of
+    every request plus a status byte, or one all-reduce per (op, dtype))."""
 
-    def __init__(self, compressor: Compressor, world: int) -> None:
-        self.compressor = compressor
-        self.memory: Memory = compressor.make_memory()
-        self.dense = NoCompression()
-        self.world = world
-        self.gather = compressor.aggregation is Aggregation.GATHER
-        #: the last bucket's rounds, bytes per fused buffer
-        self.rounds: list[RoundBytes] = []
-        #: the first step past any density warm-up
-        self.steady = int(getattr(compressor, "warmup_steps", 0) or 0)
+    def __init__(self, world: int, gather: bool) -> None:  # no process group needed
+        self.group, self.world_size, self.rank, self.timeout = None, world, 0, None
+        self.gather = gather
+        self.name = "allgather" if gather else "allreduce"
+        #: what the rounds since it was last emptied would have sent
+        self.sent: list[Collective] = []
 
-    def __call__(self, bucket: _Bucket, run: int) -> list[Collective]:
-        runs = []
-        for name, grad, param in zip(bucket.names, bucket.views, bucket.params, strict=True):
-            all_finite(grad)
-            slot = Slot(name, self.steady + run, self.world, 0)
-            compressed = self.compressor.compresses(grad)
-            chosen = self.compressor if compressed else self.dense
-            corrected = self.memory.compensate(grad, slot, param)
-            runs.append([slot, compressed, corrected, chosen.exchange(corrected, slot), None])
-        answers: list[Any] = [None] * len(runs)
-        self.rounds = []
-        while True:
-            requests, owners = [], []
-            for i, entry in enumerate(runs):
-                if entry[4] is not None:
-                    continue
-                try:
-                    requests.append(entry[3].send(answers[i]))
-                    owners.append(i)
-                except StopIteration as stop:
-                    entry[4] = stop.value
-            if not requests:
-                break
-            self.rounds.append(self._round_bytes(requests))
-            for i, request in zip(owners, requests, strict=True):
-                answers[i] = _answer(request, self.world)
-        for entry, grad in zip(runs, bucket.views, strict=True):
-            slot, compressed, corrected, _, result = entry
-            self.memory.update(corrected, result, slot, compressed)
-            grad.copy_(result.mean.reshape(grad.shape))
-        return [c for r in self.rounds for c in self.collectives(r)]
+    def supports(self, op: Op) -> bool:
+        """Everything under all-gather; sums and maxima under all-reduce."""
+        return self.gather or op in (Op.SUM, Op.MAX)
 
-    def _round_bytes(self, requests: Sequence[Request]) -> RoundBytes:
-        """Bytes of one round's requests per fused buffer (one buffer under all-gather)."""
-        fused: RoundBytes = {}
-        for request in requests:
-            key = "gather" if self.gather else (request.op, request.tensors[0].dtype)
-            fused[key] = fused.get(key, 0) + sum(_nbytes(t) for t in request.tensors)
-        return fused
-
-    def collectives(self, fused: RoundBytes) -> list[Collective]:
-        """The collectives of one round: one all-gather (plus the engine's status byte),
-        or one all-reduce per (op, dtype)."""
+    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
         if self.gather:
-            return [Collective(ALLGATHER, sum(fused.values()) + 1)]
-        return [Collective(ALLREDUCE, nbytes) for nbytes in fused.values()]
+            payload = sum(_nbytes(t) for r in requests for t in r.tensors)
+            self.sent.append(Collective(ALLGATHER, payload + 1))
+        else:
+            for (_, dtype), members in group_by_op_and_dtype(requests).items():
+                numel = sum(t.numel() for i in members for t in requests[i].tensors)
+                self.sent.append(Collective(ALLREDUCE, numel * dtype.itemsize))
+        return RoundResult([_answer(r, self.world_size) for r in requests], poisoned=False)
 
 
-#: bytes of one round's requests, per fused buffer: ``(op, dtype)``, or ``"gather"``
-RoundBytes = dict[Any, int]
+class _ThinwireEngine:
+    """thinwire's own exchange engine on a :class:`_LocalCommunicator`: the real memory,
+    protocols and schedule (rounds fused across buckets as the DDP hook does, or each
+    bucket's alone as the optimizer wrappers do), with collectives recorded, not sent."""
 
+    def __init__(self, compressor: Compressor, world: int, fuse_rounds: bool) -> None:
+        gather = compressor.aggregation is Aggregation.GATHER
+        self.communicator = _LocalCommunicator(world, gather)
+        self.engine = GradientExchange(compressor, communicator=self.communicator, history=1)
+        self.engine.step = int(getattr(compressor, "warmup_steps", 0) or 0)  # past warm-up
+        self.fuse_rounds = fuse_rounds
 
-def fuse_bucket_rounds(
-    rounds: Sequence[Sequence[RoundBytes]],
-    collectives: Callable[[RoundBytes], list[Collective]],
-) -> list[list[Collective]]:
-    """Each bucket's collectives when rounds are fused across buckets, as
-    :meth:`thinwire.comm.engine.GradientExchange.exchange_fused` runs them: bucket i's job
-    sends one round holding the next round of every earlier bucket still in flight and
-    bucket i's first; the last bucket's job then runs rounds until none is left.
-    ``rounds[i]``: bucket i's rounds when it runs alone."""
-    in_flight: list[list[RoundBytes]] = []
-    per_bucket = []
-    for index, own in enumerate(rounds):
-        in_flight.append(list(own))
-        sent: list[Collective] = []
-        while any(in_flight):
-            merged: RoundBytes = {}
-            for pending in in_flight:
-                if pending:
-                    for key, nbytes in pending.pop(0).items():
-                        merged[key] = merged.get(key, 0) + nbytes
-            sent.extend(collectives(merged))
-            in_flight = [pending for pending in in_flight if pending]
-            if index < len(rounds) - 1:
-                break  # one round per job until the last bucket's
-        per_bucket.append(sent)
-    return per_bucket
+    def __call__(self, bucket: _Bucket, run: int, last: bool) -> list[Collective]:
+        items = [
+            GradientItem(name, view, param)
+            for name, view, param in zip(bucket.names, bucket.views, bucket.params, strict=True)
+        ]
+        self.communicator.sent = []
+        if self.fuse_rounds:
+            for done, means in self.engine.exchange_fused(items, bucket, last):
+                done.store(means)
+        else:
+            bucket.store(self.engine.exchange(items))
+        if last:
+            self.engine.end_step()
+        return self.communicator.sent
 
 
 def _answer(request: Request, world: int) -> Any:
@@ -483,7 +436,7 @@ class _TorchPowerSGD:
         self.errors: dict[int, Tensor] = {}
         self.qs: dict[int, Tensor] = {}
 
-    def __call__(self, bucket: _Bucket, run: int) -> list[Collective]:
+    def __call__(self, bucket: _Bucket, run: int, last: bool) -> list[Collective]:
         buffer = bucket.buffer
         copy = None
         if self.error_feedback:
