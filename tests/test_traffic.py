@@ -39,3 +39,29 @@ def test_topk_step_is_one_fused_allgather(pool2) -> None:
     assert stats["collectives"] == 1
     assert stats["payload_bytes"] == k_total * (4 + 4) + dense_biases * 4 + status_byte
     assert stats["sent_bytes"] == stats["payload_bytes"]  # all-gather: (N-1) x payload
+
+
+def optimizer_powersgd_step(rank: int, world: int, fuse: bool) -> tuple[int, list]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10))
+    opt = thinwire.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        "powersgd",
+        bucket_cap_mb=0.01,  # two buckets: the last layer and biases, then the 50x100 weight
+        fuse_rounds=fuse,
+    )
+    torch.manual_seed(rank)
+    model(torch.randn(8, 100)).sum().backward()
+    opt.synchronize()
+    return opt.last_step.collectives, [p.grad.clone() for p in model.parameters()]
+
+
+def test_optimizer_wrapper_fuses_a_buckets_q_round_with_the_next_buckets_p(pool2) -> None:
+    fused = pool2.run(optimizer_powersgd_step, True)
+    alone = pool2.run(optimizer_powersgd_step, False)
+    assert [count for count, _ in alone] == [4, 4]  # P and Q of each of two buckets
+    assert [count for count, _ in fused] == [3, 3]  # P0 | Q0 + P1 | Q1
+    for (_, got), (_, want) in zip(fused, alone):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -7,8 +7,10 @@
 At construction the wrapper checks that every rank has the same parameters and compressor
 setup and broadcasts rank 0's parameters. ``step()`` averages the gradients through the
 compressor, bucket by bucket (about ``bucket_cap_mb`` each, in reverse parameter order as
-DDP does), then calls the wrapped optimizer. Call ``step()`` once per optimizer step:
-under gradient accumulation the exchange and error feedback run once, not per backward.
+DDP does), then calls the wrapped optimizer; a compressor of several rounds sends each
+bucket's later rounds with the next bucket's first (``fuse_rounds``, as the DDP hook
+does). Call ``step()`` once per optimizer step: under gradient accumulation the exchange
+and error feedback run once, not per backward.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class DistributedOptimizer:
         communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
         memory: override the compressor's default error-feedback memory.
         bucket_cap_mb: gradients are exchanged in buckets of about this size.
+        fuse_rounds: send each bucket's later rounds in the collectives of the next
+            bucket's first (``False``: each bucket's rounds alone).
         group: the process group; default: the global one.
         broadcast_parameters: copy rank 0's parameters to every rank at construction.
         **options: compressor options when ``compressor`` is a name.
@@ -50,6 +54,7 @@ class DistributedOptimizer:
         communicator: str | Communicator = "auto",
         memory: Memory | None = None,
         bucket_cap_mb: float = 25.0,
+        fuse_rounds: bool = True,
         group: dist.ProcessGroup | None = None,
         broadcast_parameters: bool = True,
         **options: Any,
@@ -74,6 +79,7 @@ class DistributedOptimizer:
                         p.data, src=dist.get_global_rank(group, 0) if group else 0, group=group
                     )
         self.buckets = _buckets(self.parameters, int(bucket_cap_mb * 2**20))
+        self.fuse_rounds = fuse_rounds
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -88,20 +94,29 @@ class DistributedOptimizer:
     def synchronize(self) -> None:
         """Average every gradient over the ranks, in place. Parameters without a gradient
         on this rank contribute zeros, so every rank issues the same collectives."""
-        futures = []
+        buckets = []
         for bucket in self.buckets:
             items = []
             for name, p in bucket:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 items.append(GradientItem(name, p.grad, p))
-            futures.append(
-                (items, self.engine.submit(lambda items=items: self.engine.exchange(items)))
-            )
-        for items, future in futures:
-            for item, mean in zip(items, future.wait(), strict=True):
+            buckets.append(items)
+        means = self.engine.submit(lambda: self._exchange(buckets)).wait()
+        for items, bucket_means in zip(buckets, means, strict=True):
+            for item, mean in zip(items, bucket_means, strict=True):
                 item.grad.copy_(mean)
         self.engine.end_step()
+
+    def _exchange(self, buckets: list[list[GradientItem]]) -> list[list[torch.Tensor]]:
+        """Every bucket's means, in bucket order (on the engine's thread)."""
+        if not self.fuse_rounds:
+            return [self.engine.exchange(items) for items in buckets]
+        means: dict[int, list[torch.Tensor]] = {}
+        for index, items in enumerate(buckets):
+            last = index == len(buckets) - 1
+            means.update(self.engine.exchange_fused(items, index, last=last))
+        return [means[index] for index in range(len(buckets))]
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Evaluate ``closure`` (if any), average the gradients, then step the optimizer."""
