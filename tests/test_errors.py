@@ -86,6 +86,7 @@ def nan_on_one_rank(rank: int, world: int, compressor: str, options: dict) -> st
         ("randomk", {"density": 0.01}),  # the NaN entries are probably not even sampled
         ("terngrad", {}),  # a max round first
         ("powersgd", {"rank": 1}),  # two sum rounds
+        ("powersgd", {"rank": 1, "communicator": "direct"}),  # sums of an all-to-all
     ],
 )
 def test_nan_gradient_on_one_rank_fails_every_rank(pool2, compressor: str, options: dict) -> None:

@@ -17,6 +17,7 @@ from thinwire.compress.none import NoCompression
 from thinwire.plan import (
     ALLGATHER,
     ALLREDUCE,
+    DIRECT,
     BucketCost,
     Collective,
     ComputeTime,
@@ -60,6 +61,10 @@ def test_allreduce_and_allgather_times_by_hand() -> None:
     assert collective_time(ALLGATHER, 1e6, 4, link) == pytest.approx(0.003 + 3.0)
     assert collective_time(ALLREDUCE, 1e6, 1, link) == 0.0  # one rank sends nothing
     assert collective_time(ALLGATHER, 0, 8, link) == 0.0
+    # direct (all-to-all), 4 ranks, 1 MB each: one latency step, the all-gather's bytes
+    assert collective_time(DIRECT, 1e6, 4, link) == pytest.approx(0.001 + 3.0)
+    far = bare(1e9, 0.05)  # long round trips: a small payload's time is its latency steps
+    assert collective_time(DIRECT, 4000, 4, far) < collective_time(ALLREDUCE, 4000, 4, far) / 5
 
 
 def test_default_link_counts_headers_handshake_and_switch() -> None:
@@ -293,6 +298,23 @@ def test_fused_rounds_move_a_buckets_second_round_into_the_next_buckets_first() 
     assert [b.collectives for b in one_round[0].buckets] == [
         b.collectives for b in one_round[1].buckets
     ]
+
+
+def test_communicator_option_picks_the_collectives_and_is_checked() -> None:
+    params = named(Net())
+
+    def kinds(method: str, options: dict) -> set[str]:
+        cost = measure_method(method, params, world_size=4, options=options, repeats=1)
+        return {c.kind for b in cost.buckets for c in b.collectives}
+
+    assert kinds("powersgd", {"rank": 2}) == {ALLREDUCE}
+    assert kinds("powersgd", {"rank": 2, "communicator": "direct"}) == {DIRECT}
+    assert kinds("dgc", {"density": 0.01, "communicator": "direct"}) == {DIRECT}
+    assert kinds("dgc", {"density": 0.01}) == {ALLGATHER}
+    with pytest.raises(ValueError, match="communicator must be one of"):
+        method_options("powersgd", {"communicator": "ring"})
+    with pytest.raises(ValueError, match="cannot run on communicator 'allreduce'"):
+        method_options("dgc", {"communicator": "allreduce"})
 
 
 def test_dgc_compresses_large_matrices_about_500x() -> None:

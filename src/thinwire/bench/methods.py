@@ -27,6 +27,7 @@ from thinwire.plan.methods import (
     Kind,
     method_kind,
     method_options,
+    split_communicator,
 )
 from thinwire.sparse import (
     ShardedEmbedding,
@@ -56,7 +57,7 @@ class Method:
     def compressor(self) -> thinwire.Compressor | None:
         """The thinwire compressor the method sends through, if any."""
         if self.kind is Kind.THINWIRE:
-            return thinwire.compressor(self.name, **self.options)
+            return thinwire.compressor(self.name, **split_communicator(self.options)[0])
         if self.kind in WRAPPER_KINDS or self.kind in EMBEDDING_KINDS:
             return thinwire.compressor(
                 self.options["compressor"], **self.options["compressor_options"]

@@ -57,7 +57,7 @@ def register(
     Args:
         model: a ``DistributedDataParallel`` model, before its first backward pass.
         compressor: a registered name (``thinwire.compressors()`` lists them) or an instance.
-        communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
+        communicator: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"direct"``.
         optimizer: if given, checked against the compressor (DGC applies momentum itself,
             so an optimizer that adds its own momentum is refused with an explanation).
         memory: override the compressor's default error-feedback memory.

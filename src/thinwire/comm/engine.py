@@ -130,7 +130,8 @@ class GradientExchange:
     Args:
         compressor: a :class:`~thinwire.compress.base.Compressor` or a registered name.
         communicator: ``"auto"`` (all-reduce for summable payloads, all-gather otherwise),
-            ``"allreduce"``, ``"allgather"`` or a communicator instance.
+            ``"allreduce"``, ``"allgather"``, ``"direct"`` (all-gather in one step, for
+            long round trips) or a communicator instance.
         memory: the error-feedback memory; default: the compressor's own choice.
         group: the process group; default: the global one.
         history: how many steps of :class:`StepStats` to keep.

@@ -35,7 +35,7 @@ class DistributedOptimizer:
         optimizer: the local optimizer over the model's parameters.
         model: the model, or an iterable of ``(name, parameter)`` pairs.
         compressor: a registered name or a :class:`Compressor` instance.
-        communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
+        communicator: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"direct"``.
         memory: override the compressor's default error-feedback memory.
         bucket_cap_mb: gradients are exchanged in buckets of about this size.
         fuse_rounds: send each bucket's later rounds in the collectives of the next

@@ -89,7 +89,7 @@ class DelayedAveraging:
             most of its time waiting, so ``lanes = D`` lets D of them share the link. Only
             for exchanges without state between steps (compressors ``none``, ``fp16``,
             ``bf16`` without error feedback); others must run in order.
-        communicator: ``"auto"``, ``"allreduce"`` or ``"allgather"``.
+        communicator: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"direct"``.
         memory: override the compressor's default error-feedback memory.
         bucket_cap_mb: gradients are exchanged in buckets of about this size.
         group: the process group; default: the global one.

@@ -15,6 +15,7 @@ renders a plan as a table or JSON.
 from thinwire.plan.cost import (
     ALLGATHER,
     ALLREDUCE,
+    DIRECT,
     BreakEven,
     BucketCost,
     Collective,
@@ -52,6 +53,7 @@ __all__ = [
     "ALLREDUCE",
     "BUILTIN_METHODS",
     "DEFAULT_PLAN_METHODS",
+    "DIRECT",
     "BreakEven",
     "BucketCost",
     "Collective",

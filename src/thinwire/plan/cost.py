@@ -10,6 +10,7 @@ message of ``S`` bytes per rank, bandwidth ``B`` and a per-step latency ``alpha`
 
     all-reduce  (reduce-scatter + all-gather):  2 (N-1) alpha  +  2 (N-1)/N * S * o / B
     all-gather:                                   (N-1) alpha  +    (N-1)   * S * o / B
+    direct (all-to-all of each rank's payload):         alpha  +    (N-1)   * S * o / B
 
 ``o`` is the TCP/IPv4 header overhead: every ``mtu``-byte packet carries ``mtu - 52``
 payload bytes (20 IP + 20 TCP + 12 timestamp option), as ``tc`` and the emulated cluster
@@ -59,7 +60,8 @@ GLOO_STEP_DELAYS = 2.0
 
 ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
-KINDS = (ALLREDUCE, ALLGATHER)
+DIRECT = "direct"
+KINDS = (ALLREDUCE, ALLGATHER, DIRECT)
 
 #: the bandwidth range (bits/s) that :func:`break_even_bandwidth` searches
 BREAK_EVEN_RANGE = (1e3, 1e12)
@@ -123,8 +125,8 @@ class Link:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a rank issues: ``kind`` (``"allreduce"`` or ``"allgather"``) over
-    ``nbytes`` bytes of its own payload."""
+    """One collective a rank issues: ``kind`` (``"allreduce"``, ``"allgather"`` or
+    ``"direct"``) over ``nbytes`` bytes of its own payload."""
 
     kind: str
     nbytes: int
@@ -139,8 +141,9 @@ def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> fl
     """Seconds one ring collective of ``nbytes`` per rank takes over ``world_size`` ranks.
 
     All-reduce: ``2(N-1)`` ring steps and ``2(N-1)/N * nbytes`` per rank on the wire;
-    all-gather: ``N-1`` ring steps and ``(N-1) * nbytes``; each step costs
-    ``link.step_latency_s``. One rank (or nothing to send) costs nothing.
+    all-gather: ``N-1`` ring steps and ``(N-1) * nbytes``; direct: one step and
+    ``(N-1) * nbytes``; each step costs ``link.step_latency_s``. One rank (or nothing to
+    send) costs nothing.
     """
     _check_kind(kind)
     _check_world(world_size)
@@ -148,13 +151,13 @@ def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> fl
         raise ValueError(f"a collective cannot carry {nbytes} bytes")
     if world_size == 1 or nbytes == 0:
         return 0.0
-    steps = 2 * (world_size - 1) if kind == ALLREDUCE else world_size - 1
+    steps = {ALLREDUCE: 2 * (world_size - 1), ALLGATHER: world_size - 1, DIRECT: 1}[kind]
     volume = wire_bytes(kind, nbytes, world_size)
     return steps * link.step_latency_s + volume * link.seconds_per_byte()
 
 
 def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
-    """Payload bytes one rank sends (and receives) in a ring collective of ``nbytes``."""
+    """Payload bytes one rank sends (and receives) in a collective of ``nbytes``."""
     _check_kind(kind)
     _check_world(world_size)
     if kind == ALLREDUCE:
@@ -543,6 +546,7 @@ def _check_factor(factor: float) -> None:
 __all__ = [
     "ALLGATHER",
     "ALLREDUCE",
+    "DIRECT",
     "ETHERNET_MTU",
     "GLOO_STEP_DELAYS",
     "TCP_IP_HEADER_BYTES",

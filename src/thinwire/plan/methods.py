@@ -175,10 +175,22 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
     kind = method_kind(name)
     given = dict(options or {})
     if kind is Kind.THINWIRE:
+        from thinwire.compress.base import Aggregation
         from thinwire.compress.registry import compressor
 
         merged = {**DEFAULT_OPTIONS.get(name, {}), **given}
-        compressor(name, **merged)  # raises on unknown or invalid options
+        options_of_compressor, communicator = split_communicator(merged)
+        built = compressor(name, **options_of_compressor)  # raises on unknown/invalid options
+        if communicator not in COMMUNICATOR_CHOICES:
+            raise ValueError(
+                f"{name}: communicator must be one of {', '.join(COMMUNICATOR_CHOICES)}, "
+                f"got {communicator!r}"
+            )
+        if communicator == "allreduce" and built.aggregation is Aggregation.GATHER:
+            raise ValueError(
+                f"{name}: its payloads must be gathered (they cannot be summed), so it cannot "
+                "run on communicator 'allreduce'; use 'allgather', 'direct' or 'auto'"
+            )
         return merged
     if kind is Kind.DDP_POWERSGD and "rank" in given:  # thinwire's spelling, as bench uses
         if "matrix_approximation_rank" in given:
@@ -200,6 +212,18 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {rank!r}")
     return merged
+
+
+#: communicators a thinwire method can be given (``"auto"``: by the compressor's payloads)
+COMMUNICATOR_CHOICES = ("auto", "allreduce", "allgather", "direct")
+
+
+def split_communicator(options: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """A thinwire method's options without ``communicator``, and the communicator
+    (``"auto"`` unless given): the one option that configures the exchange, not the
+    compressor."""
+    rest = dict(options)
+    return rest, rest.pop("communicator", "auto")
 
 
 def _check_wrapper_options(name: str, merged: dict[str, Any], unknown: set[str]) -> None:

@@ -49,6 +49,7 @@ from thinwire.plan.methods import (
     Kind,
     method_kind,
     method_options,
+    split_communicator,
 )
 
 #: DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``)
@@ -343,7 +344,8 @@ def _exchanger(
         return _TorchPowerSGD(options, world)
     from thinwire.compress.registry import compressor as build
 
-    return _ThinwireEngine(build(method, **options), world, fuse_rounds)
+    options_of_compressor, communicator = split_communicator(options)
+    return _ThinwireEngine(build(method, **options_of_compressor), world, fuse_rounds, communicator)
 
 
 def _fp16_hook(bucket: _Bucket, world: int) -> list[Collective]:
@@ -355,24 +357,25 @@ def _fp16_hook(bucket: _Bucket, world: int) -> list[Collective]:
 
 class _LocalCommunicator(Communicator):
     """A communicator without peers: answers each round as if every rank had sent this
-    rank's payload, and records the collectives the real one would issue (one all-gather of
-    every request plus a status byte, or one all-reduce per (op, dtype))."""
+    rank's payload, and records the collectives the real one (``kind``: all-reduce,
+    all-gather or direct) would issue: one all-gather or all-to-all of every request plus a
+    status byte, or one all-reduce per (op, dtype)."""
 
-    def __init__(self, world: int, gather: bool) -> None:  # no process group needed
+    def __init__(self, world: int, kind: str) -> None:  # no process group needed
         self.group, self.world_size, self.rank, self.timeout = None, world, 0, None
-        self.gather = gather
-        self.name = "allgather" if gather else "allreduce"
+        self.kind = kind
+        self.name = kind
         #: what the rounds since it was last emptied would have sent
         self.sent: list[Collective] = []
 
     def supports(self, op: Op) -> bool:
-        """Everything under all-gather; sums and maxima under all-reduce."""
-        return self.gather or op in (Op.SUM, Op.MAX)
+        """Everything when gathering; sums and maxima under all-reduce."""
+        return self.kind != ALLREDUCE or op in (Op.SUM, Op.MAX)
 
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
-        if self.gather:
+        if self.kind != ALLREDUCE:
             payload = sum(_nbytes(t) for r in requests for t in r.tensors)
-            self.sent.append(Collective(ALLGATHER, payload + 1))
+            self.sent.append(Collective(self.kind, payload + 1))
         else:
             for (_, dtype), members in group_by_op_and_dtype(requests).items():
                 numel = sum(t.numel() for i in members for t in requests[i].tensors)
@@ -385,9 +388,13 @@ class _ThinwireEngine:
     protocols and schedule (rounds fused across buckets as the DDP hook does, or each
     bucket's alone as the optimizer wrappers do), with collectives recorded, not sent."""
 
-    def __init__(self, compressor: Compressor, world: int, fuse_rounds: bool) -> None:
-        gather = compressor.aggregation is Aggregation.GATHER
-        self.communicator = _LocalCommunicator(world, gather)
+    def __init__(
+        self, compressor: Compressor, world: int, fuse_rounds: bool, communicator: str = "auto"
+    ) -> None:
+        if communicator == "auto":
+            summable = compressor.aggregation is Aggregation.SUM
+            communicator = ALLREDUCE if summable else ALLGATHER
+        self.communicator = _LocalCommunicator(world, communicator)
         self.engine = GradientExchange(compressor, communicator=self.communicator, history=1)
         self.engine.step = int(getattr(compressor, "warmup_steps", 0) or 0)  # past warm-up
         self.fuse_rounds = fuse_rounds
