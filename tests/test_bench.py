@@ -264,3 +264,24 @@ def test_command_line_rejects_bad_input_and_writes_the_plot(tmp_path: Path) -> N
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "dense" in ok.stdout and "results" in ok.stdout
+
+
+@pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")
+def test_collectives_benchmark_times_the_three_kinds_on_the_cluster(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "bench" / "collectives.py"
+    out = tmp_path / "collectives.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--hosts", "2", "--bandwidth", "100mbit", "--latency",
+         "20ms", "--sizes", "4000", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seconds = json.loads(out.read_text())["seconds"]["4000"]
+    assert set(seconds) == {"all_reduce", "all_gather", "all_to_all"}
+    # 2 hosts: all-reduce 2 ring steps, the others 1; each step waits at least 2 x 20 ms
+    assert seconds["all_to_all"] >= 0.04 and seconds["all_reduce"] >= 0.08
+    assert seconds["all_to_all"] < seconds["all_reduce"]
+    bad = subprocess.run(
+        [sys.executable, str(script), "--sizes", "x"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--sizes must be integers" in bad.stderr
