@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.comm.collectives import Communicator
+from thinwire.comm.collectives import Communicator, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Compressor, Memory
 from thinwire.compress.registry import compressor as build_compressor
@@ -81,7 +81,13 @@ def register(
     group = getattr(model, "process_group", None)
     if group is not None and group is dist.GroupMember.WORLD:
         group = None
-    engine = GradientExchange(built, communicator=communicator, memory=memory, group=group)
+    # The exchange thread's collectives get a process group of their own: DDP issues some
+    # on the model's group from the autograd thread while buckets are still in flight
+    # (with find_unused_parameters, an all-reduce of the used-parameter map right after
+    # the last bucket's hook), and two threads on one group would not keep one order.
+    engine = GradientExchange(
+        built, communicator=communicator, memory=memory, group=sibling_group(group)
+    )
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
     engine.verify((n, p.shape) for n, p in named)
     state = HookState(engine, {id(p): n for n, p in named}, fuse_rounds=fuse_rounds)
