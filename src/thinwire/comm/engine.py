@@ -4,9 +4,11 @@
 optimizer wrapper) over the ranks. For every tensor it compensates with the error-feedback
 memory, starts the compressor's exchange protocol (or the dense one for tensors the
 compressor declines), then drives all protocols in lock-step: each round's requests go to
-the communicator together, fused into one collective per kind. Afterwards the memory keeps
-what was not sent. It also keeps the step counter, per-step statistics and the state that
-a checkpoint needs, and owns the thread that runs exchanges in order.
+the communicator together, fused into one collective per kind (with
+:meth:`~GradientExchange.exchange_fused`, together with the next rounds of the buckets
+before it). Afterwards the memory keeps what was not sent. It also keeps the step
+counter, per-step statistics and the state that a checkpoint needs, and owns the thread
+that runs exchanges in order.
 """
 
 from __future__ import annotations
@@ -184,9 +186,9 @@ class GradientExchange:
             while not batch.done:
                 communicated += self._round([batch], fresh=batch if first else None)
                 first = False
+            return self._finish(batch)
         finally:
             self._account(started, communicated)
-        return self._finish(batch)
 
     def exchange_fused(
         self, items: Sequence[GradientItem], token: Any, last: bool
@@ -210,12 +212,14 @@ class GradientExchange:
                 communicated += self._round(self._in_flight, fresh=None)
         except BaseException:
             self._in_flight.clear()
-            raise
-        finally:
             self._account(started, communicated)
+            raise
         finished = [b for b in self._in_flight if b.done]
         self._in_flight = [b for b in self._in_flight if not b.done]
-        return [(b.token, self._finish(b)) for b in finished]
+        try:
+            return [(b.token, self._finish(b)) for b in finished]
+        finally:
+            self._account(started, communicated)
 
     @property
     def in_flight(self) -> int:
