@@ -285,3 +285,12 @@ def test_collectives_benchmark_times_the_three_kinds_on_the_cluster(tmp_path: Pa
         [sys.executable, str(script), "--sizes", "x"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--sizes must be integers" in bad.stderr
+
+
+def test_method_label_names_a_chosen_communicator() -> None:
+    from thinwire.bench.report import method_label
+
+    assert method_label({"method": "powersgd", "options": {"rank": 2}}) == "powersgd"
+    assert method_label({"method": "dgc", "options": {"communicator": "auto"}}) == "dgc"
+    direct = {"method": "powersgd", "options": {"rank": 2, "communicator": "direct"}}
+    assert method_label(direct) == "powersgd (direct)"

@@ -16,6 +16,13 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def method_label(record: dict[str, Any]) -> str:
+    """A record's method name, with its communicator when one other than ``auto`` was
+    chosen (``powersgd (direct)``), so runs of one method over two communicators differ."""
+    communicator = (record.get("options") or {}).get("communicator", "auto")
+    return record["method"] if communicator == "auto" else f"{record['method']} ({communicator})"
+
+
 def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
     """One row per method: step time, efficiency, bytes, ratio, loss, metric.
 
@@ -42,7 +49,7 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
         table.add_column(column, justify="left" if column == "method" else "right")
     for r in records:
         table.add_row(
-            r["method"],
+            method_label(r),
             f"{r['step_s_median']:.3f}",
             _fmt(r.get("throughput_vs_dense"), ".2f")
             + ("x" if r.get("throughput_vs_dense") else ""),
@@ -83,11 +90,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
 
     fig, (by_time, by_step, bars) = plt.subplots(1, 3, figsize=(16, 4.5))
     for r in records:
-        by_time.plot(r["time_history_s"], r["loss_history"], label=r["method"])
-        by_step.plot(range(1, len(r["loss_history"]) + 1), r["loss_history"], label=r["method"])
+        label = method_label(r)
+        by_time.plot(r["time_history_s"], r["loss_history"], label=label)
+        by_step.plot(range(1, len(r["loss_history"]) + 1), r["loss_history"], label=label)
     by_time.set(xlabel="wall-clock time (s)", ylabel="training loss", title="loss vs time")
     by_step.set(xlabel="step", ylabel="training loss", title="loss vs step")
-    names = [r["method"] for r in records]
+    names = [method_label(r) for r in records]
     bars.bar(names, [r["steps_per_s"] for r in records], color="tab:blue")
     bars.set(ylabel="steps per second", title="throughput")
     bars.tick_params(axis="x", rotation=45)
