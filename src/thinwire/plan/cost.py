@@ -138,7 +138,7 @@ class Collective:
 
 
 def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> float:
-    """Seconds one ring collective of ``nbytes`` per rank takes over ``world_size`` ranks.
+    """Seconds one collective of ``nbytes`` per rank takes over ``world_size`` ranks.
 
     All-reduce: ``2(N-1)`` ring steps and ``2(N-1)/N * nbytes`` per rank on the wire;
     all-gather: ``N-1`` ring steps and ``(N-1) * nbytes``; direct: one step and

@@ -253,7 +253,7 @@ def _wrapper_cost(
     exchanger = _ThinwireEngine(
         build(options["compressor"], **options["compressor_options"]),
         world_size,
-        fuse_rounds=False,  # the optimizer wrappers exchange bucket by bucket
+        fuse_rounds=False,  # DGA and the parameter server exchange each bucket alone
     )
     timed = options["compressor"] != "none"
     buckets = _measure_buckets(params, groups, exchanger, repeats, seed, None, timed=timed)
@@ -385,8 +385,9 @@ class _LocalCommunicator(Communicator):
 
 class _ThinwireEngine:
     """thinwire's own exchange engine on a :class:`_LocalCommunicator`: the real memory,
-    protocols and schedule (rounds fused across buckets as the DDP hook does, or each
-    bucket's alone as the optimizer wrappers do), with collectives recorded, not sent."""
+    protocols and schedule (rounds fused across buckets as the DDP hook and
+    ``DistributedOptimizer`` do, or each bucket's alone as DGA and the parameter server
+    do), with collectives recorded, not sent."""
 
     def __init__(
         self, compressor: Compressor, world: int, fuse_rounds: bool, communicator: str = "auto"
