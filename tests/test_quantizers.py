@@ -154,6 +154,7 @@ def test_non_floating_tensors_are_refused(cls: type[Compressor], dtype: torch.dt
         (TernGrad, {"clip_sigma": "2.5"}, r"clip_sigma .* got '2\.5'"),
         (TernGrad, {"clip_sigma": True}, r"clip_sigma .* got True"),
         (TernGrad, {"seed": 1.5}, r"seed must be an integer, got 1\.5"),
+        (TernGrad, {"per_row": 1}, r"per_row must be true or false, got 1"),
         (QSGD, {"levels": 0}, r"levels must be an integer >= 1, got 0"),
         (QSGD, {"levels": 2.5}, r"levels must be an integer >= 1, got 2\.5"),
         (QSGD, {"levels": True}, r"levels must be an integer >= 1, got True"),
@@ -588,6 +589,99 @@ def test_terngrad_codes_are_the_rounded_sum_computed_exactly(
     near_tie = ((exact.abs() - 0.5).abs() < 1e-5) & (c != 0)
     assert torch.equal(t[~near_tie], torch.round(exact)[~near_tie])
     assert bool(((t - exact).abs() <= 0.5 + 1e-5).all())
+
+
+def clipped_rows(x: Tensor, sigma: float | None = 2.5) -> Tensor:
+    """TernGrad's per-row clipping, computed independently in fp64."""
+    x = x.double()
+    if sigma is None:
+        return x
+    bound = sigma * x.square().mean(1, keepdim=True).sqrt()
+    return torch.minimum(torch.maximum(x, -bound), bound)
+
+
+def rows_of_mixed_scale(rows: int, cols: int, seed: int = 0) -> Tensor:
+    """A matrix whose rows are normal with standard deviations from 1e-3 to 10."""
+    return randn(rows, cols, seed=seed) * torch.logspace(-3, 1, rows).unsqueeze(1)
+
+
+def test_terngrad_per_row_shares_each_rows_largest_scaler() -> None:
+    xs = [rows_of_mixed_scale(8, 100, seed=1), 3 * rows_of_mixed_scale(8, 100, seed=2)]
+    first = TernGrad(per_row=True).exchange(xs[0], Slot("w", 0, 2)).send(None)
+    assert first.op is Op.MAX and first.tensors[0].shape == (8,)  # a scaler per row
+    protocols = [
+        TernGrad(per_row=True, seed=r).exchange(x, Slot("w", 0, 2, r)) for r, x in enumerate(xs)
+    ]
+    results = drive(protocols)
+    s = torch.stack([clipped_rows(x).abs().amax(1) for x in xs]).amax(0)  # per row, over ranks
+    for result in results:
+        for row, scaler in zip(result.local.double(), s, strict=True):
+            magnitudes = row.abs().unique()
+            assert magnitudes[0] == 0 and len(magnitudes) == 2  # every entry is 0 or ±s_j
+            assert float(magnitudes[1]) == pytest.approx(float(scaler), rel=1e-6)
+        assert torch.equal(result.mean, results[0].mean)
+    torch.testing.assert_close(results[0].mean, (results[0].local + results[1].local) / 2)
+    # with one scaler per tensor a small row rounds almost all to zero; per row, the rank
+    # that holds the row's largest entries sends about E|c| / s ~ 0.3 of it nonzero
+    assert all(float((row != 0).float().mean()) > 0.15 for row in results[1].local)
+    per_tensor = drive([TernGrad(seed=r).exchange(x, Slot("w", 0, 2, r)) for r, x in enumerate(xs)])
+    assert float((per_tensor[1].local[0] != 0).float().mean()) < 0.01
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    cols=st.integers(64, 80),
+    clip=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_terngrad_per_row_is_unbiased_for_each_clipped_row(
+    rows: int, cols: int, clip: bool, seed: int
+) -> None:
+    # TILES copies of the matrix stacked as more rows keep every row's bound and scaler.
+    tiles = 4000
+    x = rows_of_mixed_scale(rows, cols, seed=seed % 1000)
+    compressor = TernGrad(clip_sigma=2.5 if clip else None, seed=seed, per_row=True)
+    c = clipped_rows(x, 2.5 if clip else None)
+    s = c.abs().amax(1, keepdim=True)
+    decoded = run_locally(compressor.exchange(x.repeat(tiles, 1), SLOT)).mean
+    average = decoded.view(tiles, rows, cols).double().mean(0)
+    tolerance = bernstein_tolerance(s * c.abs() - c.square(), s, tiles, DELTA) + 1e-5 * s
+    assert bool(((average - c).abs() <= tolerance).all()), (average - c).abs() / tolerance
+
+
+@pytest.mark.parametrize(
+    ("shape", "scalers"),
+    [
+        ((16, 64), 16),
+        ((8, 8, 3, 3), 8),
+        ((8, 4, 3, 3), 1),
+        ((16, 63), 1),
+        ((1000,), 1),
+        ((0, 64), 1),
+    ],
+)
+def test_terngrad_per_row_sends_a_scaler_per_long_enough_row(
+    shape: tuple[int, ...], scalers: int
+) -> None:
+    numel = math.prod(shape)
+    wire: list[int] = []
+    run_locally(TernGrad(per_row=True).exchange(randn(*shape), SLOT), wire)
+    assert wire == [4 * scalers, math.ceil(numel / 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_terngrad_per_row_keeps_the_dtype_and_zero_rows(dtype: torch.dtype) -> None:
+    x = rows_of_mixed_scale(8, 100)
+    x[3] = 0.0
+    result = run_locally(TernGrad(per_row=True).exchange(x.to(dtype), SLOT))
+    assert result.mean.dtype == dtype and result.mean.shape == x.shape
+    assert not bool(result.mean[3].any())  # a zero row: s = 0, nothing sent
+    s = clipped_rows(x.to(dtype)).abs().amax(1)
+    for j in (0, 7):
+        magnitudes = result.mean[j].double().abs().unique().tolist()
+        assert magnitudes[-1] == pytest.approx(float(s[j].to(dtype)), rel=1e-2)
+        assert len(magnitudes) == 2  # 0 and s_j
 
 
 # -- QSGD -----------------------------------------------------------------------------------

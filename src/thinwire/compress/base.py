@@ -20,6 +20,7 @@ feedback subtracts from what it meant to send (``residual = corrected - local``)
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -245,6 +246,21 @@ def check_positive_int(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+#: quantizers that scale per row (``per_row``) give their own scales only to rows of at
+#: least this many values: below it a row's scales cost more than the codes they scale
+MIN_ROW = 64
+
+
+def scaled_rows(shape: torch.Size) -> int | None:
+    """How many rows a per-row quantizer scales one by one in a tensor of ``shape``: the
+    first dimension (an output channel or unit) of a tensor of two or more dimensions
+    whose rows hold at least :data:`MIN_ROW` values; ``None`` (one scale for the whole
+    tensor) otherwise."""
+    if len(shape) < 2 or shape[0] == 0:
+        return None
+    return shape[0] if math.prod(shape) >= MIN_ROW * shape[0] else None
 
 
 def check_floating(tensor: Tensor, what: str = "gradient") -> None:

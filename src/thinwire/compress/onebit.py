@@ -31,9 +31,10 @@ Seide et al. quantize column by column::
 
 Rows of very different magnitude no longer share one scale, for 8 more bytes per row:
 1.028 bits per value for a 3x3 convolution of 256 input channels. Tensors whose rows hold
-fewer than ``MIN_ROW`` values keep one pair. Decoding per row is a table lookup to ``t``
-in {0, 1}, then ``t * a_j + (t - 1) * b_j``, a block of rows at a time; one exchange of a
-1024 x 4096 tensor in a world of one took 12 ms against 7 ms with one pair (one thread).
+fewer than 64 values (:data:`~thinwire.compress.base.MIN_ROW`) keep one pair. Decoding
+per row is a table lookup to ``t`` in {0, 1}, then ``t * a_j + (t - 1) * b_j``, a block
+of rows at a time; one exchange of a 1024 x 4096 tensor in a world of one took 12 ms
+against 7 ms with one pair (one thread).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from thinwire.compress.base import (
     Request,
     Slot,
     check_floating,
+    scaled_rows,
 )
 from thinwire.compress.bits import (
     CHUNK,
@@ -65,10 +67,6 @@ from thinwire.compress.bits import (
 )
 from thinwire.compress.registry import register_compressor
 
-#: with ``per_row``, tensors whose rows hold fewer values keep one pair of scales: a row's
-#: 64 bits of scales would cost more than a bit per value
-MIN_ROW = 64
-
 
 @register_compressor
 @dataclass
@@ -77,7 +75,8 @@ class OneBit(Compressor):
 
     Options:
         per_row: one pair of scales per row (first dimension) of each tensor of two or
-            more dimensions whose rows hold at least :data:`MIN_ROW` values (the default);
+            more dimensions whose rows hold at least
+            :data:`~thinwire.compress.base.MIN_ROW` values (the default);
             ``False``: one pair per tensor.
     """
 
@@ -119,9 +118,11 @@ class OneBit(Compressor):
 
     def _encode(self, flat: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
         """Signs and scales of the flattened tensor ``flat`` of ``shape``: per row with
-        ``per_row``, when its rows hold at least :data:`MIN_ROW` values."""
-        if self.per_row and len(shape) >= 2 and shape[0] > 0 and flat.numel() >= MIN_ROW * shape[0]:
-            return encode_rows(flat.view(shape[0], -1))
+        ``per_row``, when its rows are long enough
+        (:func:`~thinwire.compress.base.scaled_rows`)."""
+        rows = scaled_rows(shape) if self.per_row else None
+        if rows is not None:
+            return encode_rows(flat.view(rows, -1))
         return encode(flat)
 
 
