@@ -196,6 +196,32 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     assert by["dgc"]["thinwire"]["payload_bytes_median"] < _dense_ring_bytes(2) / 5
 
 
+def test_sleeping_compute_runs_the_methods_on_the_measured_stage_times(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"compute must be one of \('real', 'sleep'\), got 'gpu'"):
+        BenchConfig(task="digits", methods=parse_methods("dense"), compute="gpu")
+    with pytest.raises(ValueError, match=r"\['emb-sharded'\] replace its embeddings"):
+        BenchConfig(task="packages", methods=parse_methods("emb-sharded"), compute="sleep")
+    config = BenchConfig(
+        task="fashion",
+        task_options={"batch_size": 4, "width": 8},
+        methods=parse_methods("local,powersgd", steps=3),
+        workers=2,
+        steps=3,
+        network="loopback",
+        compute="sleep",
+    )
+    records = run_bench(config, tmp_path)
+    for record in records:
+        slept = record["slept_forward_s"] + record["slept_backward_s"]
+        assert slept > 0
+        assert record["step_s_median"] >= slept  # every step sleeps at least that long
+        assert record["eval_value"] is None  # the twin's weights learn nothing: no metric
+        assert record["config"]["compute"] == "sleep"
+        # the twin returns zeros: cross-entropy over 10 classes, whatever the weights
+        assert record["final_train_loss"] == pytest.approx(2.302585, abs=1e-5)
+    assert records[1]["thinwire"]["payload_bytes_median"] > 0  # powersgd exchanged
+
+
 @pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")
 def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
     config = BenchConfig(

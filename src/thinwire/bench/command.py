@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run each DDP bucket's compressor rounds alone instead of sending a bucket's "
         "later rounds with the next bucket's first (thinwire compressors of several rounds)",
     )
+    parser.add_argument(
+        "--compute",
+        choices=["real", "sleep"],
+        default="real",
+        help="sleep: replace the model's compute by sleeps of its measured stage times, as "
+        "on an accelerator that leaves the CPU to the network (timings only; no eval)",
+    )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
     parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
 
@@ -116,6 +123,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             fuse_rounds=not args.no_fuse_rounds,
             lr_schedule=args.lr_schedule,
+            compute=args.compute,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
         console.print(f"[red]error:[/] {escape(str(error))}")

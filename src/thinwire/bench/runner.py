@@ -30,9 +30,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
+from thinwire.bench.sleeping import Stage
 from thinwire.bench.worker import (
     BenchJob,
     check_lr_schedule,
+    measure_stages,
     probe_allreduce,
     read_progress,
     train_method,
@@ -64,6 +66,7 @@ class BenchConfig:
     fuse_rounds: bool = True
     timeout_s: float = 3600.0
     lr_schedule: str = "constant"
+    compute: str = "real"
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
@@ -86,6 +89,15 @@ class BenchConfig:
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MB, got {self.bucket_cap_mb!r}")
         check_lr_schedule(self.lr_schedule)
+        if self.compute not in COMPUTE_CHOICES:
+            raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")
+        if self.compute == "sleep":
+            sparse = [m.name for m in self.methods if m.kind in EMBEDDING_KINDS]
+            if sparse:
+                raise ValueError(
+                    f"--compute sleep keeps the model's parameters as they are, and {sparse} "
+                    "replace its embeddings; run those with --compute real"
+                )
         parse_rate(self.bandwidth)
         parse_duration(self.latency)
         if not isinstance(self.task_options, dict):
@@ -101,6 +113,10 @@ class BenchConfig:
         warmups += [m.options.get("start_powerSGD_iter", 0) for m in self.methods]
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
+
+#: ``real``: train the task's model; ``sleep``: an accelerator's compute, emulated by
+#: sleeping each stage's measured time (:mod:`thinwire.bench.sleeping`; timings only)
+COMPUTE_CHOICES = ("real", "sleep")
 
 #: seconds of link time of the two all-reduces that separate bandwidth from fixed cost
 LINK_PROBE_S = (0.5, 2.5)
@@ -122,6 +138,10 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
             pool.run(_ready, timeout=300)
             if placement is not None and config.workers > 1:
                 describe.update(_measure_link(pool, config, console, describe["bandwidth_bps"]))
+            stages = _measure_stages(pool, config, console) if config.compute == "sleep" else None
+            if stages is not None:
+                describe["slept_forward_s"] = sum(s.forward_s for s in stages)
+                describe["slept_backward_s"] = sum(s.backward_s for s in stages)
             with Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -143,10 +163,11 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         measure_from=config.first_measured_step(),
                         interface=interface,
                         progress=progress_file,
-                        evaluate=config.evaluate,
+                        evaluate=config.evaluate and stages is None,
                         bucket_cap_mb=config.bucket_cap_mb,
                         fuse_rounds=config.fuse_rounds,
                         lr_schedule=config.lr_schedule,
+                        stages=None if stages is None else tuple(stages),
                     )
                     Path(progress_file).unlink(missing_ok=True)
 
@@ -183,6 +204,37 @@ def _save(records: list[dict[str, Any]], out: Path) -> None:
 
 def _ready(rank: int, world_size: int) -> int:
     return rank
+
+
+def _measure_stages(pool: LocalPool, config: BenchConfig, console: Console) -> list[Stage]:
+    """Every rank times the real model's stages at once; each stage's times are averaged
+    over the ranks, so every rank then sleeps the same."""
+    with console.status("measuring the model's compute, stage by stage, on every rank"):
+        per_rank = pool.run(
+            measure_stages,
+            config.task,
+            config.task_options,
+            config.seed,
+            timeout=config.timeout_s,
+        )
+    first = per_rank[0]
+    if any([s.name for s in stages] != [s.name for s in first] for stages in per_rank):
+        raise RuntimeError("ranks called the model's modules in different orders")
+    stages = [
+        Stage(
+            stage.name,
+            statistics.fmean(r[i].forward_s for r in per_rank),
+            statistics.fmean(r[i].backward_s for r in per_rank),
+        )
+        for i, stage in enumerate(first)
+    ]
+    forward = sum(s.forward_s for s in stages)
+    backward = sum(s.backward_s for s in stages)
+    console.print(
+        f"compute: sleeps of the measured {len(stages)} stages, {forward:.3f} s forward and "
+        f"{backward:.3f} s backward a step (timings only: the losses mean nothing)"
+    )
+    return stages
 
 
 def _measure_link(

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.bench.methods import Method, prepare, wrap
+from thinwire.bench.sleeping import Stage, profile_stages, sleeping_twin
 from thinwire.tasks import task as build_task
 
 
@@ -46,6 +47,7 @@ class BenchJob:
     bucket_cap_mb: float | None = None
     fuse_rounds: bool = True
     lr_schedule: str = "constant"
+    stages: tuple[Stage, ...] | None = None  #: if set, compute sleeps (bench.sleeping)
 
 
 #: learning-rate schedules a benchmark can run: the factor on ``lr`` at step ``t`` of ``T``
@@ -79,6 +81,8 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     torch.manual_seed(job.seed)
     task = build_task(job.task, seed=job.seed, **job.task_options)
     model = prepare(job.method, task.build_model())
+    if job.stages is not None:
+        model = sleeping_twin(model, list(job.stages), task.batch(rank, world_size, 0), task.loss)
     own_momentum = job.method.applies_momentum
     momentum = job.method.options.get("momentum")  # ps-async's own, if given
     optimizer = torch.optim.SGD(
@@ -152,6 +156,17 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     if dist.is_initialized():
         dist.barrier()
     return result
+
+
+def measure_stages(
+    rank: int, world_size: int, task_name: str, task_options: dict[str, Any], seed: int
+) -> list[Stage]:
+    """This rank's stage times of the task's model on its first batch
+    (:func:`~thinwire.bench.sleeping.profile_stages`), taken while every rank does the
+    same, so the cores are as shared as in training."""
+    torch.manual_seed(seed)
+    task = build_task(task_name, seed=seed, **task_options)
+    return profile_stages(task.build_model(), task.batch(rank, world_size, 0), task.loss)
 
 
 def probe_allreduce(
