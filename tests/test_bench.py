@@ -196,6 +196,31 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     assert by["dgc"]["thinwire"]["payload_bytes_median"] < _dense_ring_bytes(2) / 5
 
 
+def _ddp_broadcasts(rank: int, world_size: int, broadcast: bool) -> dict[str, bool]:
+    """Whether each DDP-based method's model broadcasts buffers, as the bench builds it."""
+    import torch
+
+    from thinwire.bench.methods import wrap
+
+    found = {}
+    for method in parse_methods("dense,ddp-fp16,ddp-powersgd,powersgd"):
+        model = task("fashion", width=4).build_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped = wrap(method, model, optimizer, broadcast_buffers=broadcast)
+        found[method.name] = wrapped.model.broadcast_buffers
+        if wrapped.engine is not None:
+            wrapped.engine.close()
+    return found
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_ddp_methods_broadcast_buffers_only_when_asked(broadcast: bool) -> None:
+    from thinwire.launch import run_local
+
+    for found in run_local(_ddp_broadcasts, 2, (broadcast,), timeout=120):
+        assert found == dict.fromkeys(("dense", "ddp-fp16", "ddp-powersgd", "powersgd"), broadcast)
+
+
 def test_sleeping_compute_runs_the_methods_on_the_measured_stage_times(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"compute must be one of \('real', 'sleep'\), got 'gpu'"):
         BenchConfig(task="digits", methods=parse_methods("dense"), compute="gpu")

@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "later rounds with the next bucket's first (thinwire compressors of several rounds)",
     )
     parser.add_argument(
+        "--no-broadcast-buffers",
+        action="store_true",
+        help="build DDP with broadcast_buffers=False: no broadcast of rank 0's batch-norm "
+        "statistics before every forward pass (each rank keeps its own; eval uses rank 0's)",
+    )
+    parser.add_argument(
         "--compute",
         choices=["real", "sleep"],
         default="real",
@@ -124,6 +130,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             fuse_rounds=not args.no_fuse_rounds,
             lr_schedule=args.lr_schedule,
             compute=args.compute,
+            broadcast_buffers=not args.no_broadcast_buffers,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
         console.print(f"[red]error:[/] {escape(str(error))}")

@@ -138,14 +138,17 @@ def wrap(
     optimizer: torch.optim.Optimizer,
     bucket_cap_mb: float | None = None,
     fuse_rounds: bool = True,
+    broadcast_buffers: bool = True,
 ) -> Wrapped:
     """``model`` made data parallel by ``method``.
 
     ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
     and 25 MB after it; also the bucket size of ``dga``). ``fuse_rounds``: the DDP hook's
-    option of the same name (:func:`thinwire.register`). Call on every rank after
-    ``torch.distributed`` is initialised (except for ``local``). ``ps-*`` run colocated:
-    every rank is a worker and ranks ``0 .. servers-1`` also serve a shard.
+    option of the same name (:func:`thinwire.register`). ``broadcast_buffers``: DDP's
+    option (rank 0's buffers, e.g. batch-norm statistics, sent to all at every forward).
+    Call on every rank after ``torch.distributed`` is initialised (except for ``local``).
+    ``ps-*`` run colocated: every rank is a worker and ranks ``0 .. servers-1`` also serve
+    a shard.
     """
     kind = method.kind
     if kind is Kind.LOCAL:
@@ -174,18 +177,21 @@ def wrap(
             **options["compressor_options"],
         )
         return Wrapped(model, ps, None, ps.close)
+    ddp_options: dict[str, Any] = {"broadcast_buffers": broadcast_buffers}
     if kind in EMBEDDING_KINDS:
-        return _wrap_embedding_model(method, model, optimizer, bucket_cap_mb, fuse_rounds)
+        if bucket_cap_mb is not None:
+            ddp_options["bucket_cap_mb"] = bucket_cap_mb
+        return _wrap_embedding_model(method, model, optimizer, ddp_options, fuse_rounds)
     if kind is Kind.DDP_POWERSGD:
         # powerSGD_hook issues its Q all-reduce from a future callback; with several
         # buckets on gloo the ranks then issue collectives in different orders (a gloo
         # size-mismatch crash at 10 Mbit/s). One bucket keeps every rank's order the same.
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        ddp = DistributedDataParallel(model, bucket_cap_mb=model_mb + 1)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=model_mb + 1, **ddp_options)
     elif bucket_cap_mb is not None:
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_options)
     else:
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, **ddp_options)
     if kind is Kind.DDP:
         return Wrapped(ddp, optimizer)
     if kind is Kind.DDP_FP16:
@@ -205,11 +211,11 @@ def _wrap_embedding_model(
     method: Method,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    bucket_cap_mb: float | None,
+    ddp_options: dict[str, Any],
     fuse_rounds: bool = True,
 ) -> Wrapped:
-    """A model :func:`prepare` made sparse, under DDP (which leaves the tables alone), with
-    the dense part's compressor if one is named."""
+    """A model :func:`prepare` made sparse, under DDP (built with ``ddp_options``, which
+    leaves the tables alone), with the dense part's compressor if one is named."""
     options = method.options
     tables = [m for m in model.modules() if isinstance(m, ShardedEmbedding)]
     lookahead = None
@@ -220,8 +226,7 @@ def _wrap_embedding_model(
                 f"table, and this model has {len(tables)}; run it with prefetch false"
             )
         lookahead = tables[0].prefetch
-    buckets = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = DistributedDataParallel(model, **buckets)
+    ddp = DistributedDataParallel(model, **ddp_options)
     engine = None
     if options["compressor"] != "none":
         engine = thinwire.register(

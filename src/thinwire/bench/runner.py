@@ -67,6 +67,7 @@ class BenchConfig:
     timeout_s: float = 3600.0
     lr_schedule: str = "constant"
     compute: str = "real"
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
@@ -168,6 +169,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         fuse_rounds=config.fuse_rounds,
                         lr_schedule=config.lr_schedule,
                         stages=None if stages is None else tuple(stages),
+                        broadcast_buffers=config.broadcast_buffers,
                     )
                     Path(progress_file).unlink(missing_ok=True)
 

@@ -48,6 +48,7 @@ class BenchJob:
     fuse_rounds: bool = True
     lr_schedule: str = "constant"
     stages: tuple[Stage, ...] | None = None  #: if set, compute sleeps (bench.sleeping)
+    broadcast_buffers: bool = True
 
 
 #: learning-rate schedules a benchmark can run: the factor on ``lr`` at step ``t`` of ``T``
@@ -94,7 +95,9 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     method = job.method
     if own_momentum and job.weight_decay and "weight_decay" not in method.options:
         method = Method(method.name, {**method.options, "weight_decay": job.weight_decay})
-    parallel = wrap(method, model, optimizer, job.bucket_cap_mb, job.fuse_rounds)
+    parallel = wrap(
+        method, model, optimizer, job.bucket_cap_mb, job.fuse_rounds, job.broadcast_buffers
+    )
     wrapped, stepper, engine = parallel.model, parallel.optimizer, parallel.engine
     wrapped.train()
     if dist.is_initialized():
