@@ -345,3 +345,38 @@ def test_method_label_names_a_chosen_communicator() -> None:
     assert method_label({"method": "dgc", "options": {"communicator": "auto"}}) == "dgc"
     direct = {"method": "powersgd", "options": {"rank": 2, "communicator": "direct"}}
     assert method_label(direct) == "powersgd (direct)"
+
+
+def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "bench" / "repredict.py"
+    config = {
+        "task": "digits",
+        "workers": 4,
+        "bandwidth": "10mbit",
+        "latency": "1ms",
+        "steps": 4,
+        "network": "emulated",
+        "task_options": {},
+        "bucket_cap_mb": None,
+    }
+    records = [
+        {"method": "local", "options": {}, "step_s_median": 0.01, "config": config},
+        {"method": "dense", "options": {}, "step_s_median": 0.2, "config": config},
+    ]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(records))
+    run = subprocess.run(
+        [sys.executable, str(script), str(results), "--write"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert "dense" in run.stdout and "measured 0.200 s" in run.stdout
+    dense = json.loads(results.read_text())[1]["predicted"]
+    assert dense["error"] == pytest.approx(dense["step_s"] / 0.2 - 1)
+    # the digits MLP's 0.4 MB all-reduced over 10 Mbit/s links takes ~0.5 s
+    assert 0.3 < dense["step_s"] < 1.0
+    loopback = tmp_path / "loopback.json"
+    loopback.write_text(json.dumps([{**records[0], "config": {**config, "network": "loopback"}}]))
+    bad = subprocess.run(
+        [sys.executable, str(script), str(loopback)], capture_output=True, text=True
+    )
+    assert bad.returncode == 1 and "a loopback run has no link to predict for" in bad.stderr

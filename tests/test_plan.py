@@ -24,6 +24,7 @@ from thinwire.plan import (
     Link,
     MethodCost,
     break_even_bandwidth,
+    broadcast_time,
     collective_time,
     ddp_buckets,
     measure_compute,
@@ -124,6 +125,52 @@ def test_timeline_overlaps_network_with_backward_by_hand() -> None:
     assert prediction.efficiency == pytest.approx(3.5 / 4.25)
     local = predict_step(compute, MethodCost("local"), link, 2)
     assert local.step_s == pytest.approx(3.5) and local.efficiency == 1.0
+
+
+def test_ddps_buffer_broadcast_delays_the_whole_step_by_hand() -> None:
+    link = bare(MBYTE_PER_S, latency_s=0.01)  # 1e5 bytes take 0.1 s a hop
+    # a binomial tree: 1 hop for 2 ranks, 2 for 3 or 4, 3 for 5 to 8
+    assert broadcast_time(100_000, 2, link) == pytest.approx(0.11)
+    assert broadcast_time(100_000, 4, link) == pytest.approx(0.22)
+    assert broadcast_time(100_000, 5, link) == pytest.approx(0.33)
+    assert broadcast_time(100_000, 1, link) == 0.0 and broadcast_time(0, 4, link) == 0.0
+    with pytest.raises(ValueError, match="a broadcast cannot carry -1 bytes"):
+        broadcast_time(-1, 4, link)
+    compute = ComputeTime(forward_s=1.0, backward_s=2.0, optimizer_s=0.5)
+    plain = one_bucket("x", ALLREDUCE, 1_000_000)  # 2 ranks: 2 steps of 0.01 s and 1 s
+    with_buffers = MethodCost("x", plain.buckets, broadcast_bytes=100_000)
+    assert step_time(compute, plain, link, 2) == pytest.approx(3.0 + 1.02 + 0.5)
+    assert step_time(compute, with_buffers, link, 2) == pytest.approx(0.11 + 3.0 + 1.02 + 0.5)
+    assert with_buffers.collectives == plain.collectives + 1
+    assert with_buffers.sent_bytes(4) == pytest.approx(plain.sent_bytes(4) + 0.75 * 100_000)
+    assert with_buffers.comm_time(2, link) == pytest.approx(plain.comm_time(2, link) + 0.11)
+
+
+def test_only_methods_under_ddp_pay_for_the_buffer_broadcast() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Linear(32, 10))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # means, vars, count
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    methods = {"local": {}, "dense": {}, "powersgd": {}, "dga": {}}
+    profile = profile_model(
+        model, batch, nn.functional.cross_entropy, methods, world_size=4, repeats=1
+    )
+    assert {n: c.broadcast_bytes for n, c in profile.costs.items()} == {
+        "local": 0,
+        "dense": buffers,
+        "powersgd": buffers,
+        "dga": 0,
+    }
+    off = profile_model(
+        model,
+        batch,
+        nn.functional.cross_entropy,
+        methods,
+        world_size=4,
+        repeats=1,
+        broadcast_buffers=False,
+    )
+    assert all(c.broadcast_bytes == 0 for c in off.costs.values())
 
 
 def test_delayed_averaging_hides_latency_behind_compute_by_hand() -> None:

@@ -396,6 +396,7 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
         modelled,
         world_size=config.workers,
         fuse_rounds=config.fuse_rounds,
+        broadcast_buffers=config.broadcast_buffers,
         **buckets,
     )
     emulated = EmulatedCluster(config.workers, config.bandwidth, config.latency, tag="plan")

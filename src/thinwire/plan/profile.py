@@ -194,12 +194,14 @@ def measure_method(
     repeats: int = 3,
     seed: int = 0,
     fuse_rounds: bool = True,
+    broadcast_bytes: int = 0,
 ) -> MethodCost:
     """What ``method`` sends per step for parameters ``params`` and how long its
     compression takes (median of ``repeats`` steps after one warm-up step, past any density
     warm-up), bucketed as DDP does (ready order and fractions from ``compute``).
     ``fuse_rounds``: a thinwire compressor's later rounds travel with the next bucket's
-    first, as :func:`thinwire.register` does by default."""
+    first, as :func:`thinwire.register` does by default. ``broadcast_bytes``: the buffers
+    DDP broadcasts before every forward pass, for the methods that run under DDP."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
     if repeats < 1:
@@ -232,7 +234,7 @@ def measure_method(
     buckets = _measure_buckets(
         params, groups, exchanger, repeats, seed, ready_of, timed=kind is not Kind.DDP
     )
-    return MethodCost(method, tuple(buckets), dense_bytes, opts)
+    return MethodCost(method, tuple(buckets), dense_bytes, opts, broadcast_bytes=broadcast_bytes)
 
 
 def _wrapper_cost(
@@ -557,14 +559,19 @@ def profile_model(
     method_repeats: int = 3,
     bucket_cap_mb: float = BUCKET_CAP_MB,
     fuse_rounds: bool = True,
+    broadcast_buffers: bool = True,
 ) -> Profile:
     """Measure ``model``'s compute on ``batch`` and each method's traffic and compression
     time (``methods``: name -> options) for ``world_size`` workers (``fuse_rounds``: see
-    :func:`measure_method`)."""
+    :func:`measure_method`; ``broadcast_buffers``: DDP's option of that name, whose
+    broadcast of the model's buffers before each forward pass the DDP methods pay)."""
     for name, opts in methods.items():
         method_options(name, opts)  # fail fast, before the slow part
     compute = measure_compute(model, batch, loss_fn, repeats=repeats)
     params = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
+    buffer_bytes = (
+        sum(b.numel() * b.element_size() for b in model.buffers()) if broadcast_buffers else 0
+    )
     costs = {
         name: measure_method(
             name,
@@ -575,6 +582,7 @@ def profile_model(
             bucket_cap_mb=bucket_cap_mb,
             repeats=method_repeats,
             fuse_rounds=fuse_rounds,
+            broadcast_bytes=buffer_bytes,
         )
         for name, opts in methods.items()
     }
