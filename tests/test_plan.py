@@ -467,6 +467,29 @@ def test_plan_command_on_digits(tmp_path, capsys) -> None:
     assert math.isclose(data["bandwidth_bps"], 10e6)
 
 
+def test_plan_command_models_ddps_buckets_and_buffer_broadcast(tmp_path, capsys) -> None:
+    base = ["plan", "--task", "fashion", "--workers", "4", "--bandwidth", "10mbit"]
+    base += ["--latency", "1ms", "--task-options", '{"batch_size": 8, "width": 8}']
+    runs = {}
+    for name, extra in {
+        "default": [],
+        "quiet": ["--no-broadcast-buffers"],
+        "small": ["--bucket-cap-mb", "0.5", "--no-broadcast-buffers"],
+    }.items():
+        out = tmp_path / f"{name}.json"
+        assert main([*base, "--methods", "dense", *extra, "--json", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert runs["default"]["broadcast_buffers"] is True
+    assert runs["quiet"]["broadcast_buffers"] is False
+    assert runs["small"]["bucket_cap_mb"] == 0.5
+    assert runs["default"]["task_options"] == {"batch_size": 8, "width": 8}
+    dense = {name: run["methods"][0] for name, run in runs.items()}
+    # the broadcast is one more collective, before the forward pass
+    assert dense["default"]["collectives"] == dense["quiet"]["collectives"] + 1
+    assert dense["small"]["collectives"] > dense["quiet"]["collectives"]  # more buckets
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -476,6 +499,11 @@ def test_plan_command_on_digits(tmp_path, capsys) -> None:
         (["--workers", "4", "--bandwidth", "1gbit", "--latency", "soon"], "latency 'soon'"),
         (["--workers", "4", "--bandwidth", "1gbit", "--methods", "zip"], "unknown method 'zip'"),
         (["--workers", "4", "--bandwidth", "1gbit", "--options", "{"], "--options is not valid"),
+        (
+            ["--workers", "4", "--bandwidth", "1gbit", "--bucket-cap-mb", "0"],
+            "--bucket-cap-mb must be > 0 MB, got 0.0",
+        ),
+        (["--workers", "4", "--bandwidth", "1gbit", "--task-options", "[1]"], "a JSON object"),
     ],
 )
 def test_plan_command_rejects_bad_input(flags: list[str], message: str, capsys) -> None:

@@ -89,7 +89,15 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         request = report.parse_request(
-            args.task, args.workers, args.bandwidth, args.latency, args.methods, args.options
+            args.task,
+            args.workers,
+            args.bandwidth,
+            args.latency,
+            args.methods,
+            args.options,
+            bucket_cap_mb=args.bucket_cap_mb,
+            broadcast_buffers=not args.no_broadcast_buffers,
+            task_options=args.task_options,
         )
     except (ValueError, TypeError) as error:
         print(f"thinwire plan: error: {error}", file=sys.stderr)
@@ -126,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--latency", default="0", help="one-way latency, e.g. 1ms (default 0)")
     plan.add_argument("--methods", default="", help="comma-separated methods (default: a mix)")
     plan.add_argument("--options", default="", help='JSON, e.g. \'{"dgc": {"density": 0.01}}\'')
+    plan.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
+    plan.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
+    )
+    plan.add_argument(
+        "--no-broadcast-buffers",
+        action="store_true",
+        help="model DDP with broadcast_buffers=False (no buffer broadcast before each forward)",
+    )
     plan.add_argument("--json", default="", help="also write the plan to this JSON file")
     plan.set_defaults(run=_plan)
     from thinwire.bench.command import add_arguments as add_bench_arguments

@@ -596,8 +596,10 @@ def profile_task(
     world_size: int,
     repeats: int = 5,
     method_repeats: int = 3,
+    **options: Any,
 ) -> Profile:
-    """:func:`profile_model` for a :class:`thinwire.tasks.Task` (rank 0's first batch)."""
+    """:func:`profile_model` for a :class:`thinwire.tasks.Task` (rank 0's first batch);
+    ``options`` go to :func:`profile_model` (``bucket_cap_mb``, ``broadcast_buffers``)."""
     model = task.build_model()
     batch = task.batch(0, world_size, 0)
     return profile_model(
@@ -608,4 +610,5 @@ def profile_task(
         world_size=world_size,
         repeats=repeats,
         method_repeats=method_repeats,
+        **options,
     )

@@ -40,6 +40,8 @@ class PlanRequest:
     latency_s: float
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_options: dict[str, Any] = field(default_factory=dict)
+    bucket_cap_mb: float | None = None  #: None: DDP's default (1 MB, then 25 MB)
+    broadcast_buffers: bool = True  #: DDP's option: buffers sent before each forward
 
 
 def parse_request(
@@ -49,12 +51,17 @@ def parse_request(
     latency: str,
     methods: str = "",
     options: str = "",
+    bucket_cap_mb: float | None = None,
+    broadcast_buffers: bool = True,
+    task_options: str = "",
 ) -> PlanRequest:
     """Check and convert the command-line strings; ``ValueError`` says what is wrong.
 
     ``methods``: comma-separated names (default :data:`DEFAULT_PLAN_METHODS`); ``options``:
     JSON of options per method, e.g. ``{"dgc": {"density": 0.01}}`` (a method named only
-    there is added).
+    there is added). ``bucket_cap_mb`` and ``broadcast_buffers``: the DDP options the
+    methods under DDP are modelled with. ``task_options``: JSON of the task's options, e.g.
+    ``{"batch_size": 80}``.
     """
     from thinwire.cluster.emulated import parse_duration, parse_rate
 
@@ -64,6 +71,8 @@ def parse_request(
     if rate is None:
         raise ValueError(f"--bandwidth must be a finite rate such as 100mbit, got {bandwidth!r}")
     delay = parse_duration(latency)
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"--bucket-cap-mb must be > 0 MB, got {bucket_cap_mb!r}")
     names = [n.strip() for n in methods.split(",") if n.strip()] or list(DEFAULT_PLAN_METHODS)
     chosen: dict[str, dict[str, Any]] = {name: {} for name in names}
     if options:
@@ -79,7 +88,24 @@ def parse_request(
         chosen.update(given)
     for name, opts in chosen.items():
         chosen[name] = method_options(name, opts)
-    return PlanRequest(task, workers, rate, delay, chosen)
+    try:
+        built = json.loads(task_options) if task_options else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--task-options is not valid JSON ({error}): {task_options!r}") from None
+    if not isinstance(built, dict):
+        raise ValueError(
+            f'--task-options must be a JSON object, e.g. {{"batch_size": 80}}, got {task_options!r}'
+        )
+    return PlanRequest(
+        task,
+        workers,
+        rate,
+        delay,
+        chosen,
+        task_options=built,
+        bucket_cap_mb=bucket_cap_mb,
+        broadcast_buffers=broadcast_buffers,
+    )
 
 
 def run_plan(request: PlanRequest) -> tuple[Any, Rows]:
@@ -89,8 +115,14 @@ def run_plan(request: PlanRequest) -> tuple[Any, Rows]:
 
     methods = dict(request.methods)
     methods.setdefault(REFERENCE, {})  # the break-even reference, shown only if asked for
+    ddp: dict[str, Any] = {"broadcast_buffers": request.broadcast_buffers}
+    if request.bucket_cap_mb is not None:
+        ddp["bucket_cap_mb"] = request.bucket_cap_mb
     profile = profile_task(
-        build_task(request.task, **request.task_options), methods, world_size=request.workers
+        build_task(request.task, **request.task_options),
+        methods,
+        world_size=request.workers,
+        **ddp,
     )
     link = Link(request.bandwidth_bps, request.latency_s)
     rows = plan(profile.compute.time, profile.costs, link, request.workers, reference=REFERENCE)
@@ -148,9 +180,12 @@ def plan_json(request: PlanRequest, profile: Any, rows: Rows) -> dict[str, Any]:
     compute = profile.compute.time
     return {
         "task": request.task,
+        "task_options": request.task_options,
         "workers": request.workers,
         "bandwidth_bps": request.bandwidth_bps,
         "latency_s": request.latency_s,
+        "bucket_cap_mb": request.bucket_cap_mb,
+        "broadcast_buffers": request.broadcast_buffers,
         "compute": {
             "forward_s": compute.forward_s,
             "backward_s": compute.backward_s,
