@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("compressors", help="list the compressors and their options")
     listing.set_defaults(run=_compressors)
+    from thinwire.bench.command import add_ddp_arguments
     from thinwire.demo import add_demo_arguments
 
     demo = sub.add_parser("demo", help="a quick bench on an emulated cluster (make demo)")
@@ -135,17 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--methods", default="", help="comma-separated methods (default: a mix)")
     plan.add_argument("--options", default="", help='JSON, e.g. \'{"dgc": {"density": 0.01}}\'')
     plan.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
-    plan.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        default=None,
-        help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
-    )
-    plan.add_argument(
-        "--no-broadcast-buffers",
-        action="store_true",
-        help="model DDP with broadcast_buffers=False (no buffer broadcast before each forward)",
-    )
+    add_ddp_arguments(plan)
     plan.add_argument("--json", default="", help="also write the plan to this JSON file")
     plan.set_defaults(run=_plan)
     from thinwire.bench.command import add_arguments as add_bench_arguments

@@ -60,23 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="emulated",
         help="emulated cluster (root) or plain loopback (no limits)",
     )
-    parser.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        default=None,
-        help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
-    )
+    add_ddp_arguments(parser)
     parser.add_argument(
         "--no-fuse-rounds",
         action="store_true",
         help="run each DDP bucket's compressor rounds alone instead of sending a bucket's "
         "later rounds with the next bucket's first (thinwire compressors of several rounds)",
-    )
-    parser.add_argument(
-        "--no-broadcast-buffers",
-        action="store_true",
-        help="build DDP with broadcast_buffers=False: no broadcast of rank 0's batch-norm "
-        "statistics before every forward pass (each rank keeps its own; eval uses rank 0's)",
     )
     parser.add_argument(
         "--compute",
@@ -87,6 +76,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
     parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
+
+
+def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The DDP options ``thinwire bench`` runs with and ``thinwire plan`` models."""
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
+    )
+    parser.add_argument(
+        "--no-broadcast-buffers",
+        action="store_true",
+        help="DDP with broadcast_buffers=False: no broadcast of rank 0's batch-norm "
+        "statistics before every forward pass (each rank keeps its own; eval uses rank 0's)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
