@@ -1,4 +1,4 @@
-"""Collective latency benchmark: ring all-reduce, ring all-gather and all-to-all, side by side.
+"""Collective latency benchmark: all-reduce, all-gather, all-to-all and broadcast, side by side.
 
     python bench/collectives.py --hosts 4 --bandwidth 1gbit --latency 50ms \
         --sizes 4000,40000,400000 --out results/collectives-50ms.json
@@ -7,8 +7,11 @@ On an emulated cluster (root; one rank per host, gloo), for each payload size in
 per rank, times the three ways thinwire's communicators move a round (median of
 ``--repeats`` runs after one warm-up, every run starting from a barrier, rank 0's
 clock): ``all_reduce`` of the payload (the ring: 2 (N-1) steps), ``all_gather`` of it
-(N-1 steps) and ``all_to_all`` of N copies of it (one step: what the ``direct``
-communicator does). Prints a table of milliseconds and writes them to ``--out``.
+(N-1 steps), ``all_to_all`` of N copies of it (one step: what the ``direct``
+communicator does) and ``broadcast`` of it from rank 0 (what DDP does with the model's
+buffers before each forward pass), timed until a one-element all-reduce after it
+returns, so that every rank has it. Prints a table of milliseconds and writes them to
+``--out``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = ("all_reduce", "all_gather", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast")
 
 
 def time_collectives(sizes: list[int], repeats: int) -> dict[int, dict[str, float]]:
@@ -47,8 +50,11 @@ def time_collectives(sizes: list[int], repeats: int) -> dict[int, dict[str, floa
                     dist.all_reduce(payload)
                 elif kind == "all_gather":
                     dist.all_gather_into_tensor(gathered, payload)
-                else:
+                elif kind == "all_to_all":
                     dist.all_to_all_single(gathered, copies)
+                else:
+                    dist.broadcast(payload, 0)
+                    dist.all_reduce(torch.ones(1))  # returns once every rank has it
                 runs.append(time.perf_counter() - started)
             timings[nbytes][kind] = statistics.median(runs[1:])
     return timings
