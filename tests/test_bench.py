@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,18 +197,23 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
     assert by["dgc"]["thinwire"]["payload_bytes_median"] < _dense_ring_bytes(2) / 5
 
 
-def _ddp_broadcasts(rank: int, world_size: int, broadcast: bool) -> dict[str, bool]:
+def _ddp_broadcasts(rank: int, world_size: int, broadcast: bool) -> dict[str, Any]:
     """Whether each DDP-based method's model broadcasts buffers, as the bench builds it."""
+    import warnings
+
     import torch
 
     from thinwire.bench.methods import wrap
 
-    found = {}
+    found: dict[str, Any] = {}
     for method in parse_methods("dense,ddp-fp16,ddp-powersgd,powersgd"):
         model = task("fashion", width=4).build_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        wrapped = wrap(method, model, optimizer, broadcast_buffers=broadcast)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = wrap(method, model, optimizer, broadcast_buffers=broadcast)
         found[method.name] = wrapped.model.broadcast_buffers
+        found["warned"] = [str(w.message) for w in caught if "buffers" in str(w.message)]
         if wrapped.engine is not None:
             wrapped.engine.close()
     return found
@@ -218,6 +224,7 @@ def test_ddp_methods_broadcast_buffers_only_when_asked(broadcast: bool) -> None:
     from thinwire.launch import run_local
 
     for found in run_local(_ddp_broadcasts, 2, (broadcast,), timeout=120):
+        assert found.pop("warned") == []  # no deprecated option passed (torch 2.13 renamed it)
         assert found == dict.fromkeys(("dense", "ddp-fp16", "ddp-powersgd", "powersgd"), broadcast)
 
 

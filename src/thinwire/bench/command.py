@@ -89,7 +89,7 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-broadcast-buffers",
         action="store_true",
-        help="DDP with broadcast_buffers=False: no broadcast of rank 0's batch-norm "
+        help="DDP without its broadcast of rank 0's batch-norm "
         "statistics before every forward pass (each rank keeps its own; eval uses rank 0's)",
     )
 

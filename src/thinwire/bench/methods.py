@@ -11,6 +11,7 @@ sparse (:func:`prepare`, before the optimizer is built) with DDP for the rest.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,18 @@ class Wrapped:
     finish: Callable[[], None] = lambda: None
     export: Callable[[], None] = lambda: None
     lookahead: Callable[[torch.Tensor], None] | None = None
+
+
+def buffer_sync_options(broadcast_buffers: bool) -> dict[str, Any]:
+    """DDP's keyword arguments for (not) broadcasting the buffers before every forward pass:
+    none for DDP's default (broadcasting); else ``forward_sync_buffers=False`` where DDP
+    has it (torch 2.13 renamed the option and warns about the old name) and
+    ``broadcast_buffers=False`` before that."""
+    if broadcast_buffers:
+        return {}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def prepare(method: Method, model: nn.Module) -> nn.Module:
@@ -177,7 +190,7 @@ def wrap(
             **options["compressor_options"],
         )
         return Wrapped(model, ps, None, ps.close)
-    ddp_options: dict[str, Any] = {"broadcast_buffers": broadcast_buffers}
+    ddp_options = buffer_sync_options(broadcast_buffers)
     if kind in EMBEDDING_KINDS:
         if bucket_cap_mb is not None:
             ddp_options["bucket_cap_mb"] = bucket_cap_mb
