@@ -86,7 +86,6 @@ def test_the_twin_hands_back_the_real_gradients_and_sleeps_the_measured_time() -
 
     stages = profile_stages(real, (x, y), nn.functional.cross_entropy, steps=1)
     twin = sleeping_twin(real, stages, (x, y), nn.functional.cross_entropy)
-    assert {n: p.detach() for n, p in real.named_parameters()}.keys() == weights.keys()
     for name, p in real.named_parameters():
         assert torch.equal(p.detach(), weights[name])  # the real step changed nothing
     for _ in range(2):  # the same gradients at every step

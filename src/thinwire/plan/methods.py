@@ -175,16 +175,17 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
     kind = method_kind(name)
     given = dict(options or {})
     if kind is Kind.THINWIRE:
+        from thinwire.comm.collectives import COMMUNICATORS
         from thinwire.compress.base import Aggregation
         from thinwire.compress.registry import compressor
 
         merged = {**DEFAULT_OPTIONS.get(name, {}), **given}
         options_of_compressor, communicator = split_communicator(merged)
         built = compressor(name, **options_of_compressor)  # raises on unknown/invalid options
-        if communicator not in COMMUNICATOR_CHOICES:
+        choices = ("auto", *COMMUNICATORS)
+        if communicator not in choices:
             raise ValueError(
-                f"{name}: communicator must be one of {', '.join(COMMUNICATOR_CHOICES)}, "
-                f"got {communicator!r}"
+                f"{name}: communicator must be one of {', '.join(choices)}, got {communicator!r}"
             )
         if communicator == "allreduce" and built.aggregation is Aggregation.GATHER:
             raise ValueError(
@@ -212,10 +213,6 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {rank!r}")
     return merged
-
-
-#: communicators a thinwire method can be given (``"auto"``: by the compressor's payloads)
-COMMUNICATOR_CHOICES = ("auto", "allreduce", "allgather", "direct")
 
 
 def split_communicator(options: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
