@@ -153,6 +153,7 @@ def fused_against_unfused(
     ("compressor", "options", "rounds"),
     [
         ("powersgd", {"rank": 2}, 2),  # P, then Q: two sums
+        ("powersgd-oneround", {"rank": 2}, 1),  # X and Y together: one sum
         ("terngrad", {}, 2),  # the scaler's max, then the codes' gather
         ("dgc", {"density": 0.1}, 1),  # one gather: nothing to fuse
     ],

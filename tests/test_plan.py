@@ -326,6 +326,21 @@ def test_thinwire_traffic_matches_the_engine(method: str, options: dict) -> None
         assert all(len(b.collectives) == rounds for b in cost.buckets)
 
 
+def test_traffic_that_alternates_between_steps_is_modelled_at_the_heavier_step() -> None:
+    params = named(Net())
+    options = {"rank": 2, "alternate": True}
+    comp = thinwire.compressor("powersgd-oneround", **options)
+    per_step = [engine_bytes(comp, params, 4, step) for step in range(2)]  # P, then Q
+    assert per_step[0] != per_step[1]
+    modelled = [
+        measure_method(
+            "powersgd-oneround", params, world_size=4, options=options, repeats=repeats
+        ).payload_bytes
+        for repeats in (2, 3)
+    ]
+    assert modelled == [max(per_step)] * 2
+
+
 def test_fused_rounds_move_a_buckets_second_round_into_the_next_buckets_first() -> None:
     params = named(Net())
 

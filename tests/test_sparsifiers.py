@@ -1,4 +1,5 @@
-"""Sparsifiers and low rank: top-k, DGC, random-k and PowerSGD, in one process.
+"""Sparsifiers and low rank: top-k, DGC, random-k, PowerSGD (two rounds and one), in one
+process.
 
 Several ranks are simulated by driving one exchange protocol per rank by hand and
 answering each round as a communicator would (sum, or every rank's payload).
@@ -22,6 +23,7 @@ from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory
 from thinwire.compress.dgc import DGC, _nonzero, warmup_stages
 from thinwire.compress.feedback import DGCMemory, NoMemory, ResidualMemory
 from thinwire.compress.powersgd import PowerSGD, orthogonalize_rows
+from thinwire.compress.powersgd_oneround import OneRoundPowerSGD
 from thinwire.compress.randomk import RandomK, sample_without_replacement
 from thinwire.compress.topk import TopK
 
@@ -255,8 +257,10 @@ def residual_of(memory: Memory, key: str) -> Tensor:
         (DGC(density=0.05, sample_fraction=0.2), DGCMemory(momentum=0.0, masking=False)),
         (RandomK(density=0.05), ResidualMemory()),
         (PowerSGD(rank=2), ResidualMemory()),
+        (OneRoundPowerSGD(rank=2), ResidualMemory()),
+        (OneRoundPowerSGD(rank=2, alternate=True), ResidualMemory()),
     ],
-    ids=["topk", "dgc", "randomk", "powersgd"],
+    ids=["topk", "dgc", "randomk", "powersgd", "powersgd-oneround", "powersgd-oneround-alt"],
 )
 def test_error_feedback_conserves_mass(comp: Compressor, memory: Memory) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -504,6 +508,143 @@ def test_powersgd_restarts_after_an_all_zero_gradient() -> None:
     torch.testing.assert_close(out.mean, low_rank, rtol=0, atol=1e-3)
 
 
+# -- PowerSGD in one round ----------------------------------------------------------------
+
+
+def one_round_projection(bases, alternate_side: bool | None = None):
+    """Pi(M) = C^T C M + M R^T R - C^T C M R^T R for ``bases`` (C, R); with
+    ``alternate_side`` True or False only the C or only the R term."""
+    c, r = bases.columns, bases.rows
+    pc, pr = c.T @ c, r.T @ r
+    if alternate_side is None:
+        return lambda x: pc @ x + x @ pr - pc @ x @ pr
+    return (lambda x: pc @ x) if alternate_side else (lambda x: x @ pr)
+
+
+@pytest.mark.parametrize("alternate", [False, True], ids=["both-sides", "alternate"])
+def test_one_round_powersgd_sends_one_sum_per_exchange(alternate: bool) -> None:
+    comp = OneRoundPowerSGD(rank=2, alternate=alternate)
+    x = torch.randn(12, 30, generator=torch.Generator().manual_seed(6))
+    sizes = []
+    for step in range(4):
+        wire: list[int] = []
+        run_locally(comp.exchange(x, Slot("w", step, 1)), wire)
+        assert len(wire) == 1  # one sum per exchange
+        sizes.append(wire[0])
+    c_side, r_side = 2 * 30 * 4, 2 * 12 * 4  # X = C M, Y = R M^T
+    if not alternate:
+        assert sizes == [c_side + r_side] * 4  # PowerSGD's bytes, in one round
+    else:
+        assert sizes in ([c_side, r_side] * 2, [r_side, c_side] * 2)
+
+
+def test_one_round_powersgd_tensors_alternate_from_either_side() -> None:
+    x = torch.randn(12, 30, generator=torch.Generator().manual_seed(6))
+    firsts = set()
+    for i in range(16):
+        wire: list[int] = []
+        run_locally(OneRoundPowerSGD(rank=2, alternate=True).exchange(x, Slot(f"w{i}", 0, 1)), wire)
+        firsts.add(wire[0])
+    assert firsts == {2 * 30 * 4, 2 * 12 * 4}  # so that one step sends about half of both
+
+
+@pytest.mark.parametrize("alternate", [False, True], ids=["both-sides", "alternate"])
+def test_one_round_powersgd_converges_to_the_best_rank_r_error(alternate: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    u, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen))
+    spectrum = torch.tensor([10.0, 9.0, 7.0, 6.0, 5.0] + [0.01] * 35)
+    m = u[:, :40] @ torch.diag(spectrum) @ v.T
+    best = float(spectrum[2:].norm())  # Eckart-Young, rank 2
+    comp = OneRoundPowerSGD(rank=2, alternate=alternate)
+    errors = [
+        float((m - run_locally(comp.exchange(m, Slot("w", step, 1))).mean).norm())
+        for step in range(30)
+    ]
+    assert errors[0] > 1.15 * best  # random subspaces first ...
+    # ... then power iteration, a step behind: the bases find M's top singular subspaces
+    assert errors[-1] == pytest.approx(best, rel=1e-3)
+    if alternate:  # one side at a time: never worse than the step before
+        assert all(later <= earlier + 1e-3 for earlier, later in itertools.pairwise(errors))
+    else:  # both sides: rank up to 4 on the way, below the rank-2 optimum
+        assert min(errors) < 0.9 * best
+
+
+@pytest.mark.parametrize("alternate", [False, True], ids=["both-sides", "alternate"])
+def test_one_round_powersgd_two_ranks_project_onto_shared_bases(alternate: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    ranks = [OneRoundPowerSGD(rank=3, alternate=alternate) for _ in range(2)]
+    sides: list[bool] = []
+    for step in range(4):
+        a, b = torch.randn(16, 24, generator=gen), torch.randn(16, 24, generator=gen)
+        before = ranks[0]._bases("w", a)
+        for bases in (before.columns, before.rows):
+            torch.testing.assert_close(bases @ bases.T, torch.eye(3))
+        results = drive(
+            [c.exchange(x, Slot("w", step, 2, r)) for r, (c, x) in enumerate(zip(ranks, (a, b)))]
+        )
+        after = [c.bases["w"] for c in ranks]
+        # alternating, the side that was sent turns over: X = C M sent makes a new R
+        sent_c = not torch.equal(after[0].rows, before.rows) if alternate else None
+        if alternate:
+            assert sent_c == torch.equal(after[0].columns, before.columns)
+            sides.append(sent_c)
+        project = one_round_projection(before, sent_c)
+        for rank, own in enumerate((a, b)):
+            torch.testing.assert_close(results[rank].mean, project((a + b) / 2))
+            torch.testing.assert_close(results[rank].local, project(own))
+        assert torch.equal(after[0].columns, after[1].columns)
+        assert torch.equal(after[0].rows, after[1].rows)
+        if not alternate:  # the next bases span the sums: P from M R^T, Q from M^T C
+            p = (a + b) @ before.rows.T
+            q = before.columns @ (a + b)
+            projector = after[0].columns.T @ after[0].columns
+            torch.testing.assert_close(projector @ p, p, rtol=0, atol=1e-4)
+            projector = after[0].rows.T @ after[0].rows
+            torch.testing.assert_close(q @ projector, q, rtol=0, atol=1e-4)
+    if alternate:
+        assert sides in ([True, False] * 2, [False, True] * 2)
+
+
+def test_one_round_powersgd_at_full_rank_of_a_square_matrix_is_exact() -> None:
+    gen = torch.Generator().manual_seed(8)
+    ranks = [OneRoundPowerSGD(rank=6, min_compression=0) for _ in range(2)]
+    for step in range(3):
+        a, b = torch.randn(6, 6, generator=gen), torch.randn(6, 6, generator=gen)
+        results = drive(
+            [c.exchange(x, Slot("w", step, 2, r)) for r, (c, x) in enumerate(zip(ranks, (a, b)))]
+        )
+        torch.testing.assert_close(results[0].mean, (a + b) / 2, rtol=0, atol=1e-5)
+        torch.testing.assert_close(results[1].local, b, rtol=0, atol=1e-5)
+
+
+def test_one_round_powersgd_state_dict_round_trip_gives_identical_next_output() -> None:
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(20, 30, generator=gen) for _ in range(4)]
+    first = OneRoundPowerSGD(rank=2, alternate=True)
+    for step in range(3):
+        run_locally(first.exchange(grads[step], Slot("w", step, 1)))
+    second = OneRoundPowerSGD(rank=2, alternate=True, seed=123)
+    second.load_state_dict(first.state_dict())
+    a = run_locally(first.exchange(grads[3], Slot("w", 3, 1))).mean
+    b = run_locally(second.exchange(grads[3], Slot("w", 3, 1))).mean
+    assert torch.equal(a, b)
+    fresh = OneRoundPowerSGD(rank=2, alternate=True, seed=123)
+    assert not torch.equal(a, run_locally(fresh.exchange(grads[3], Slot("w", 3, 1))).mean)
+    with pytest.raises(ValueError, match="unknown state"):
+        second.load_state_dict({"warm": {}})
+
+
+def test_one_round_powersgd_keeps_going_after_an_all_zero_gradient() -> None:
+    comp = OneRoundPowerSGD(rank=2)
+    run_locally(comp.exchange(torch.zeros(20, 30), Slot("w", 0, 1)))
+    for bases in (comp.bases["w"].columns, comp.bases["w"].rows):
+        torch.testing.assert_close(bases @ bases.T, torch.eye(2))  # still bases, not zero
+    low_rank = torch.outer(torch.arange(20.0), torch.ones(30))
+    outs = [run_locally(comp.exchange(low_rank, Slot("w", s, 1))).mean for s in (1, 2, 3)]
+    torch.testing.assert_close(outs[-1], low_rank, rtol=0, atol=1e-3)
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), cols=st.integers(6, 50), seed=st.integers(0, 1000))
 def test_orthogonalize_rows(rows: int, cols: int, seed: int) -> None:
@@ -538,6 +679,9 @@ def test_orthogonalize_rows(rows: int, cols: int, seed: int) -> None:
         ("powersgd", {"rank": 0}, "rank"),
         ("powersgd", {"rank": 1.5}, "rank"),
         ("powersgd", {"min_compression": -1}, "min_compression"),
+        ("powersgd-oneround", {"rank": 0}, "rank"),
+        ("powersgd-oneround", {"seed": 0.5}, "seed"),
+        ("powersgd-oneround", {"alternate": "yes"}, "alternate"),
     ],
 )
 def test_bad_options_raise_naming_the_option(name: str, options: dict[str, Any], named: str):
@@ -547,11 +691,13 @@ def test_bad_options_raise_naming_the_option(name: str, options: dict[str, Any],
 
 def test_registered_by_name_with_summaries() -> None:
     listing = thinwire.compressors()
-    for name, cls in (("randomk", RandomK), ("dgc", DGC), ("powersgd", PowerSGD)):
+    named = (("randomk", RandomK), ("dgc", DGC), ("powersgd", PowerSGD))
+    for name, cls in (*named, ("powersgd-oneround", OneRoundPowerSGD)):
         assert name in listing
         assert isinstance(thinwire.compressor(name), cls)
     assert isinstance(DGC().make_memory(), DGCMemory)
     assert isinstance(PowerSGD().make_memory(), ResidualMemory)
+    assert isinstance(OneRoundPowerSGD().make_memory(), ResidualMemory)
     assert isinstance(RandomK().make_memory(), ResidualMemory)
     assert isinstance(RandomK(rescale=True).make_memory(), NoMemory)
 

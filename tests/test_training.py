@@ -20,6 +20,7 @@ METHODS = {
     "randomk": {"density": 0.25},  # below ~0.25 it diverges at lr 0.1, momentum 0.9
     "dgc": {"density": 0.005, "warmup_steps": 60},
     "powersgd": {"rank": 4},
+    "powersgd-oneround": {"rank": 4},
     "onebit": {},
     "signsgd": {},
     "terngrad": {},
@@ -58,6 +59,7 @@ def test_compressor_trains_to_dense_quality(pool4, dense_accuracy: float, method
     [
         ("dgc", {"density": 0.01, "warmup_steps": 10}, "ddp"),
         ("powersgd", {"rank": 2}, "ddp"),
+        ("powersgd-oneround", {"rank": 2}, "optimizer"),
         ("terngrad", {}, "optimizer"),
         ("topk", {"density": 0.02}, "optimizer"),
     ],

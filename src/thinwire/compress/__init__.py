@@ -7,6 +7,7 @@ from thinwire.compress import (  # noqa: F401  (importing registers them)
     none,
     onebit,
     powersgd,
+    powersgd_oneround,
     qsgd,
     randomk,
     signsgd,

@@ -128,10 +128,15 @@ BUILTIN_METHODS: dict[str, Method] = {
     )
 }
 
-#: options a thinwire compressor gets unless given, recorded with its results: PowerSGD at
-#: rank 2, the rank ``ddp-powersgd`` defaults to, so that both implementations compare;
-#: onebit's own default ``per_row``, named so that every record says which 1-bit ran
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"powersgd": {"rank": 2}, "onebit": {"per_row": True}}
+#: options a thinwire compressor gets unless given, recorded with its results: PowerSGD and
+#: its one-round form at rank 2, the rank ``ddp-powersgd`` defaults to, so that the
+#: implementations compare; onebit's own default ``per_row``, named so that every record
+#: says which 1-bit ran
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    "powersgd": {"rank": 2},
+    "powersgd-oneround": {"rank": 2},
+    "onebit": {"per_row": True},
+}
 
 #: what ``thinwire plan`` predicts when no ``--methods`` are given
 DEFAULT_PLAN_METHODS = (

@@ -276,22 +276,28 @@ def _measure_buckets(
     """Run ``exchanger`` on the buckets of ``groups``, in order, for one warm-up step and
     ``repeats`` timed steps on fresh random gradients: each bucket's collectives and, if
     ``timed``, its median compression time; ``ready_of(names)`` is when the bucket is ready
-    (default: 1.0)."""
+    (default: 1.0). The collectives are those of the timed step that sent the most: a
+    compressor whose traffic alternates between steps (``powersgd-oneround`` with
+    ``alternate``) is modelled at its heavier step whatever ``repeats`` is."""
     by_name = dict(params)
     generator = torch.Generator().manual_seed(seed)
     buckets = [
         _Bucket(index, [(n, by_name[n]) for n in names]) for index, names in enumerate(groups)
     ]
     times: list[list[float]] = [[] for _ in buckets]
-    collectives: list[list[Collective]] = [[] for _ in buckets]
+    steps: list[list[list[Collective]]] = []
     with one_thread():
         for run in range(repeats + 1):
+            step: list[list[Collective]] = []
             for bucket in buckets:
                 bucket.fill(generator)
                 started = time.perf_counter()
-                collectives[bucket.index] = exchanger(bucket, run, bucket is buckets[-1])
+                step.append(exchanger(bucket, run, bucket is buckets[-1]))
                 if run:
                     times[bucket.index].append(time.perf_counter() - started)
+            if run:
+                steps.append(step)
+    collectives = max(steps, key=lambda step: sum(c.nbytes for b in step for c in b))
     return [
         BucketCost(
             ready_of(names) if ready_of is not None and names else 1.0,
