@@ -407,13 +407,18 @@ def test_powersgd_at_full_rank_reconstructs_the_matrix() -> None:
     torch.testing.assert_close(out.mean, conv, rtol=0, atol=1e-4)
 
 
-def test_powersgd_warm_start_converges_to_the_best_rank_r_error() -> None:
+def matrix_with_known_rank2_error() -> tuple[Tensor, float]:
+    """A 60 x 40 matrix of singular values 10, 9, 7, 6, 5, then 0.01, and the error of its
+    best rank-2 approximation (Eckart-Young)."""
     gen = torch.Generator().manual_seed(1)
     u, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen))
     v, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen))
     spectrum = torch.tensor([10.0, 9.0, 7.0, 6.0, 5.0] + [0.01] * 35)
-    m = u[:, :40] @ torch.diag(spectrum) @ v.T
-    best = float(spectrum[2:].norm())  # Eckart-Young, rank 2
+    return u[:, :40] @ torch.diag(spectrum) @ v.T, float(spectrum[2:].norm())
+
+
+def test_powersgd_warm_start_converges_to_the_best_rank_r_error() -> None:
+    m, best = matrix_with_known_rank2_error()
     comp = PowerSGD(rank=2)
     errors = []
     for step in range(15):
@@ -550,12 +555,7 @@ def test_one_round_powersgd_tensors_alternate_from_either_side() -> None:
 
 @pytest.mark.parametrize("alternate", [False, True], ids=["both-sides", "alternate"])
 def test_one_round_powersgd_converges_to_the_best_rank_r_error(alternate: bool) -> None:
-    gen = torch.Generator().manual_seed(1)
-    u, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen))
-    v, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen))
-    spectrum = torch.tensor([10.0, 9.0, 7.0, 6.0, 5.0] + [0.01] * 35)
-    m = u[:, :40] @ torch.diag(spectrum) @ v.T
-    best = float(spectrum[2:].norm())  # Eckart-Young, rank 2
+    m, best = matrix_with_known_rank2_error()
     comp = OneRoundPowerSGD(rank=2, alternate=alternate)
     errors = [
         float((m - run_locally(comp.exchange(m, Slot("w", step, 1))).mean).norm())

@@ -12,8 +12,8 @@ With M the tensor as a matrix (error feedback already added)::
     mean   = Pi of the sums / N       local = Pi of this rank's X, Y   residual = M - local
     next C = orthogonalize(sum of Y)           next R = orthogonalize(sum of X)
 
-Pi is the orthogonal projection that keeps everything of M but ``(I - C^T C) M (I - R^T R)``
-(a matrix of rank <= 2 rank); it is linear, so ``mean`` is the average of the ranks'
+Pi is the orthogonal projection that keeps everything of M but ``(I - C^T C) M (I - R^T R)``;
+Pi(M) has rank <= 2 * rank. Pi is linear, so ``mean`` is the average of the ranks'
 ``local`` s, the coordinates sum, and error feedback keeps what it leaves out. The next
 bases are PowerSGD's P and Q computed from the summed coordinates (P from ``M R^T``, Q from
 ``M^T C``): each step runs one step of power iteration, as PowerSGD does, but projects onto
