@@ -8,7 +8,7 @@ answering each round as a communicator would (sum, or every rank's payload).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory
 from thinwire.compress.dgc import DGC, _nonzero, warmup_stages
 from thinwire.compress.feedback import DGCMemory, NoMemory, ResidualMemory
 from thinwire.compress.powersgd import PowerSGD, orthogonalize_rows
-from thinwire.compress.powersgd_oneround import OneRoundPowerSGD
+from thinwire.compress.powersgd_oneround import Bases, OneRoundPowerSGD
 from thinwire.compress.randomk import RandomK, sample_without_replacement
 from thinwire.compress.topk import TopK
 
@@ -516,7 +516,9 @@ def test_powersgd_restarts_after_an_all_zero_gradient() -> None:
 # -- PowerSGD in one round ----------------------------------------------------------------
 
 
-def one_round_projection(bases, alternate_side: bool | None = None):
+def one_round_projection(
+    bases: Bases, alternate_side: bool | None = None
+) -> Callable[[Tensor], Tensor]:
     """Pi(M) = C^T C M + M R^T R - C^T C M R^T R for ``bases`` (C, R); with
     ``alternate_side`` True or False only the C or only the R term."""
     c, r = bases.columns, bases.rows
@@ -691,8 +693,12 @@ def test_bad_options_raise_naming_the_option(name: str, options: dict[str, Any],
 
 def test_registered_by_name_with_summaries() -> None:
     listing = thinwire.compressors()
-    named = (("randomk", RandomK), ("dgc", DGC), ("powersgd", PowerSGD))
-    for name, cls in (*named, ("powersgd-oneround", OneRoundPowerSGD)):
+    for name, cls in (
+        ("randomk", RandomK),
+        ("dgc", DGC),
+        ("powersgd", PowerSGD),
+        ("powersgd-oneround", OneRoundPowerSGD),
+    ):
         assert name in listing
         assert isinstance(thinwire.compressor(name), cls)
     assert isinstance(DGC().make_memory(), DGCMemory)
