@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.bench.methods import Method
-from thinwire.bench.runner import BenchConfig, _add_predictions
+from thinwire.bench.runner import BenchConfig, _add_predictions, throughput_step_s
 
 
 def config_of(records: list[dict[str, Any]]) -> BenchConfig:
@@ -55,7 +55,7 @@ def repredict(path: Path, write: bool = False) -> list[tuple[str, float, float, 
     if write:
         path.write_text(json.dumps(records, indent=2))
     return [
-        (r["method"], r["step_s_median"], r["predicted"]["step_s"], before[r["method"]])
+        (r["method"], throughput_step_s(r), r["predicted"]["step_s"], before[r["method"]])
         for r in records
         if r.get("predicted")
     ]

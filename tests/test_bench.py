@@ -35,6 +35,7 @@ FIELDS = {
     "eval_metric",
     "eval_value",
     "scaling_efficiency",
+    "wall_scaling_efficiency",
     "loss_history",
     "time_history_s",
 }
@@ -190,6 +191,10 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
         assert 0.0 <= record["eval_value"] <= 1.0 and record["eval_metric"] == "accuracy"
     by = {r["method"]: r for r in records}
     assert by["local"]["scaling_efficiency"] == pytest.approx(1.0)
+    for record in records:
+        assert record["wall_scaling_efficiency"] == pytest.approx(
+            by["local"]["wall_step_s"] / record["wall_step_s"]
+        )
     # dense moves at least the ring all-reduce volume (loopback is shared with anything
     # else on this machine, so only a lower bound holds); DGC (density 0.001 on 2-D
     # tensors, 1-D tensors dense) contributes far less, by the engine's own count
@@ -389,3 +394,14 @@ def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
         [sys.executable, str(script), str(loopback)], capture_output=True, text=True
     )
     assert bad.returncode == 1 and "a loopback run has no link to predict for" in bad.stderr
+
+
+def test_unsynchronised_methods_are_timed_by_the_wall_clock() -> None:
+    from thinwire.bench.runner import throughput_step_s
+
+    timings = {"step_s_median": 1.0, "wall_step_s": 0.9}
+    assert throughput_step_s({"method": "dense", **timings}) == 1.0
+    assert throughput_step_s({"method": "powersgd", **timings}) == 1.0
+    assert throughput_step_s({"method": "ps-sync", **timings}) == 1.0
+    assert throughput_step_s({"method": "dga", **timings}) == 0.9
+    assert throughput_step_s({"method": "ps-async", **timings}) == 0.9

@@ -29,8 +29,8 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
     ``step s`` is the median over steps of the slowest rank's step; ``wall s`` the
     wall-clock time per step over the measured steps (until every rank finished). They
     agree for synchronous methods; for ``dga`` and ``ps-async``, whose ranks do not wait
-    for each other every step, only ``wall s`` (and ``wall x``, dense's over it) is
-    their throughput."""
+    for each other every step, only ``wall s`` (and ``wall x``, dense's over it, and
+    ``wall scaling``, ``local``'s over it) is their throughput."""
     table = Table(title=title or _title(records))
     metric = next((r["eval_metric"] for r in records if r.get("eval_metric")), "eval")
     for column in (
@@ -40,6 +40,7 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
         "wall s",
         "wall x",
         "scaling",
+        "wall scaling",
         "MB sent",
         "ratio",
         "loss",
@@ -57,6 +58,7 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
             _fmt(r.get("wall_throughput_vs_dense"), ".2f")
             + ("x" if r.get("wall_throughput_vs_dense") else ""),
             _fmt(r.get("scaling_efficiency"), ".2f"),
+            _fmt(r.get("wall_scaling_efficiency"), ".2f"),
             f"{r['bytes_sent_per_step'] / 1e6:.3f}",
             _fmt(r.get("compression_ratio"), ".1f"),
             f"{r['final_train_loss']:.4f}",

@@ -8,7 +8,9 @@ same initial weights on the same batches. Each record in ``DIR/results.json`` ho
 method, its options, the network, the step-time medians over the measured steps (after
 DGC's warm-up), the bytes each rank sent per step as counted by the kernel, the final
 training loss and the held-out metric. ``local`` (no exchange) gives the compute-only step
-time, so ``scaling_efficiency = local step time / method step time``. On the emulated
+time, so ``scaling_efficiency = local step time / method step time``, and
+``wall_scaling_efficiency`` is the same ratio of wall-clock time per step, the one that
+counts for ``dga`` and ``ps-async``, whose ranks do not wait for each other. On the emulated
 cluster the links are probed first: one all-reduce of the model's size (the bandwidth the
 ring delivers to it) and two larger ones that separate the link's bandwidth from the fixed
 cost of an all-reduce.
@@ -41,7 +43,7 @@ from thinwire.bench.worker import (
 )
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.launch import LocalPool, Placement
-from thinwire.plan.methods import EMBEDDING_KINDS
+from thinwire.plan.methods import EMBEDDING_KINDS, UNSYNCHRONISED_KINDS, method_kind
 
 
 @dataclass(frozen=True)
@@ -406,8 +408,18 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
     local = next((r["step_s_median"] for r in records if r["method"] == "local"), None)
     for record in (r for r in records if r["method"] in modelled):
         predicted = profile.predict(record["method"], link, compute=local).as_dict()
-        predicted["error"] = predicted["step_s"] / record["step_s_median"] - 1
+        predicted["error"] = predicted["step_s"] / throughput_step_s(record) - 1
         record["predicted"] = predicted
+
+
+def throughput_step_s(record: dict[str, Any]) -> float:
+    """The time per step that a record's throughput is: the median of the slowest rank's
+    step for synchronous methods, the wall-clock time per step for ``dga`` and
+    ``ps-async`` (their ranks do not wait for each other, so the slowest rank of each step
+    is a different rank at a different time)."""
+    if method_kind(record["method"]) in UNSYNCHRONISED_KINDS:
+        return record["wall_step_s"]
+    return record["step_s_median"]
 
 
 def _add_ratios(records: list[dict[str, Any]]) -> None:
@@ -422,6 +434,9 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
             max(0.0, record["step_s_median"] - compute) if compute is not None else None
         )
         record["scaling_efficiency"] = compute / record["step_s_median"] if compute else None
+        record["wall_scaling_efficiency"] = (
+            local["wall_step_s"] / record["wall_step_s"] if local else None
+        )
         record["compression_ratio"] = (
             dense["bytes_sent_per_step"] / record["bytes_sent_per_step"]
             if dense and record["bytes_sent_per_step"] > 0 and record["method"] != "local"

@@ -59,6 +59,10 @@ class Kind(enum.Enum):
 #: the kinds that send a thinwire compressor's payloads without DDP
 WRAPPER_KINDS = (Kind.DGA, Kind.PS_SYNC, Kind.PS_ASYNC)
 
+#: the kinds whose ranks do not wait for each other every step: their throughput is the
+#: wall-clock time per step, not the median of the slowest rank's step
+UNSYNCHRONISED_KINDS = (Kind.DGA, Kind.PS_ASYNC)
+
 #: the kinds that move embedding tables sparsely (and the rest through DDP)
 EMBEDDING_KINDS = (Kind.EMB_ALLGATHER, Kind.EMB_SHARDED)
 
