@@ -5,7 +5,10 @@ loss), ``backward`` (``loss.backward()``, which under DDP includes waiting for t
 buckets' exchange) and ``optimizer``. Bytes on the wire are read from the kernel's counters
 of the host's interface (``/proc/net/dev`` is per network namespace), so every method is
 measured the same way, headers and acknowledgements included; on loopback, where all ranks
-share one interface, the total is divided by the number of ranks. Rank 0 writes its
+share one interface, the total is divided by the number of ranks. The count runs from the
+first measured step to the end and is divided by the exchanges it saw: the measured steps,
+plus, under delayed averaging, the exchanges still in flight when the count began (they
+send inside it). Rank 0 writes its
 progress to a small file that the parent shows.
 """
 
@@ -105,6 +108,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     forward, backward, stepping, losses, ends = [], [], [], [], []
     began = time.perf_counter()
     wire_before = interface_bytes(job.interface)
+    in_flight = 0  # exchanges started before the byte count began, still sending in it
     factor = LR_SCHEDULES[job.lr_schedule]
     upcoming = task.batch(rank, world_size, 0)
     for step in range(job.steps):
@@ -112,6 +116,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
             group["lr"] = job.lr * factor(step, job.steps)
         if step == job.measure_from:
             wire_before = interface_bytes(job.interface)
+            in_flight = getattr(stepper, "pending", 0)
         t0 = time.perf_counter()
         x, y = upcoming
         loss = task.loss(wrapped(x), y)
@@ -137,6 +142,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     parallel.export()  # the model evaluable on rank 0 (not training traffic: not counted)
     measured = slice(job.measure_from, job.steps)
     counted_steps = max(1, job.steps - job.measure_from)
+    exchanges = counted_steps + in_flight
     shared = 1 if job.interface != "lo" else world_size
     history = list(engine.history)[measured] if engine is not None else []
     result: dict[str, Any] = {
@@ -146,8 +152,8 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
         "forward_s_median": statistics.median(forward[measured]),
         "backward_s_median": statistics.median(backward[measured]),
         "optimizer_s_median": statistics.median(stepping[measured]),
-        "sent_bytes_per_step": (wire_after[1] - wire_before[1]) / counted_steps / shared,
-        "received_bytes_per_step": (wire_after[0] - wire_before[0]) / counted_steps / shared,
+        "sent_bytes_per_step": (wire_after[1] - wire_before[1]) / exchanges / shared,
+        "received_bytes_per_step": (wire_after[0] - wire_before[0]) / exchanges / shared,
         "thinwire": _engine_summary(history),
     }
     if engine is not None:
