@@ -27,6 +27,7 @@ FIELDS = {
     "wall_s",
     "step_s_median",
     "wall_step_s",
+    "cpu_s_per_step",
     "compute_s_median",
     "comm_s_median",
     "bytes_sent_per_step",
@@ -257,6 +258,8 @@ def test_sleeping_compute_runs_the_methods_on_the_measured_stage_times(tmp_path:
         slept = record["slept_forward_s"] + record["slept_backward_s"]
         assert slept > 0
         assert record["step_s_median"] >= slept  # every step sleeps at least that long
+        # ... and a sleep uses no CPU: the process's CPU time is below the step's
+        assert 0 < record["cpu_s_per_step"] < record["step_s_median"]
         assert record["eval_value"] is None  # the twin's weights learn nothing: no metric
         assert record["config"]["compute"] == "sleep"
         # the twin returns zeros: cross-entropy over 10 classes, whatever the weights

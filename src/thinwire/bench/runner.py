@@ -368,6 +368,7 @@ def _record(
         "forward_s_median": statistics.median(r["forward_s_median"] for r in ranks),
         "backward_s_median": statistics.median(r["backward_s_median"] for r in ranks),
         "optimizer_s_median": statistics.median(r["optimizer_s_median"] for r in ranks),
+        "cpu_s_per_step": statistics.fmean(r["cpu_s_per_step"] for r in ranks),
         "bytes_sent_per_step": statistics.fmean(r["sent_bytes_per_step"] for r in ranks),
         "bytes_received_per_step": statistics.fmean(r["received_bytes_per_step"] for r in ranks),
         "thinwire": lead["thinwire"],

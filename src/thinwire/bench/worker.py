@@ -8,8 +8,9 @@ measured the same way, headers and acknowledgements included; on loopback, where
 share one interface, the total is divided by the number of ranks. The count runs from the
 first measured step to the end and is divided by the exchanges it saw: the measured steps,
 plus, under delayed averaging, the exchanges still in flight when the count began (they
-send inside it). Rank 0 writes its
-progress to a small file that the parent shows.
+send inside it). Over the same steps the worker reads the CPU time its process used (every
+thread, user and system): what the method costs a host whose cores are busy computing.
+Rank 0 writes its progress to a small file that the parent shows.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     forward, backward, stepping, losses, ends = [], [], [], [], []
     began = time.perf_counter()
     wire_before = interface_bytes(job.interface)
+    cpu_before = time.process_time()
     in_flight = 0  # exchanges started before the byte count began, still sending in it
     factor = LR_SCHEDULES[job.lr_schedule]
     upcoming = task.batch(rank, world_size, 0)
@@ -116,6 +118,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
             group["lr"] = job.lr * factor(step, job.steps)
         if step == job.measure_from:
             wire_before = interface_bytes(job.interface)
+            cpu_before = time.process_time()
             in_flight = getattr(stepper, "pending", 0)
         t0 = time.perf_counter()
         x, y = upcoming
@@ -137,6 +140,8 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
         ends.append(t3 - began)
         if rank == 0 and job.progress:
             _report(job.progress, step + 1, losses[-1])
+    # exchanges in flight now balance those in flight when the count began
+    cpu_after = time.process_time()
     parallel.finish()  # every rank holds the agreed weights (DGA, parameter server)
     wire_after = interface_bytes(job.interface)
     parallel.export()  # the model evaluable on rank 0 (not training traffic: not counted)
@@ -152,6 +157,7 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
         "forward_s_median": statistics.median(forward[measured]),
         "backward_s_median": statistics.median(backward[measured]),
         "optimizer_s_median": statistics.median(stepping[measured]),
+        "cpu_s_per_step": (cpu_after - cpu_before) / counted_steps,
         "sent_bytes_per_step": (wire_after[1] - wire_before[1]) / exchanges / shared,
         "received_bytes_per_step": (wire_after[0] - wire_before[0]) / exchanges / shared,
         "thinwire": _engine_summary(history),

@@ -150,6 +150,7 @@ DEFAULT_PLAN_METHODS = (
     "ddp-powersgd",
     "fp16",
     "powersgd",
+    "powersgd-oneround",
     "dgc",
     "onebit",
     "terngrad",
