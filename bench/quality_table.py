@@ -57,6 +57,12 @@ def plot_labels(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return labelled
 
 
+def compressor_of(record: dict[str, Any]) -> str:
+    """The compressor a record's target is set by: the method itself, or the compressor a
+    wrapper method (``dga``, ``ps-sync``, ``ps-async``, ...) sends with."""
+    return (record.get("options") or {}).get("compressor") or record["method"]
+
+
 def rows(records: list[dict[str, Any]]) -> list[str]:
     """Markdown table rows: method, metric, vs dense, target, final train loss."""
     dense = [r for r in records if r["method"] == "dense"]
@@ -70,7 +76,7 @@ def rows(records: list[dict[str, Any]]) -> list[str]:
         if record is reference:
             shown, versus, verdict = _shown(metric, value), "", ""
         else:
-            points, percent = TARGETS.get(record["method"], DEFAULT_TARGET)
+            points, percent = TARGETS.get(compressor_of(record), DEFAULT_TARGET)
             if metric == "accuracy":
                 delta = round(100 * (value - reference["eval_value"]), 2)  # judged as shown
                 versus, met = f"{delta:+.2f}", delta >= -points

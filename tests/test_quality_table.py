@@ -40,6 +40,7 @@ def test_accuracy_targets_are_points_dgc_stricter(quality_table: ModuleType) -> 
             record("dgc", "accuracy", 0.9090),  # -1.10
             record("onebit", "accuracy", 0.9010),  # -1.90
             record("terngrad", "accuracy", 0.8990),  # -2.10
+            record("dga", "accuracy", 0.9090, compressor="dgc", delay=1),  # -1.10, DGC's
         ]
     )
     assert rows[0].startswith("| dense | 92.00 % |")
@@ -47,6 +48,7 @@ def test_accuracy_targets_are_points_dgc_stricter(quality_table: ModuleType) -> 
     assert "| -1.10 | within 1: **missed** |" in rows[2]
     assert "| -1.90 | within 2: met |" in rows[3]
     assert "| -2.10 | within 2: **missed** |" in rows[4]
+    assert "| -1.10 | within 1: **missed** |" in rows[5]  # a wrapper: its compressor's target
 
 
 def test_perplexity_targets_are_percent(quality_table: ModuleType) -> None:
