@@ -143,6 +143,10 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     # exchanges in flight now balance those in flight when the count began
     cpu_after = time.process_time()
     parallel.finish()  # every rank holds the agreed weights (DGA, parameter server)
+    if dist.is_initialized():
+        # a collective can end on one rank while its last sends still wait in the link's
+        # queue; the barrier's messages queue behind them, so once it returns they are out
+        dist.barrier()
     wire_after = interface_bytes(job.interface)
     parallel.export()  # the model evaluable on rank 0 (not training traffic: not counted)
     measured = slice(job.measure_from, job.steps)
