@@ -40,6 +40,7 @@ class Run:
     same_data: bool = False
     lanes: int = 1
     momentum: float = 0.0
+    fuse_rounds: bool = True
 
 
 def _model() -> nn.Module:
@@ -68,6 +69,7 @@ def train(rank: int, world: int, run: Run) -> dict:
             delay=run.delay,
             lanes=run.lanes,
             bucket_cap_mb=BUCKET_MB,
+            fuse_rounds=run.fuse_rounds,
             **run.options,
         )
     record: dict = {"w0": _flat(model.parameters()), "grads": [], "lrs": [], "weights": []}
@@ -86,6 +88,7 @@ def train(rank: int, world: int, run: Run) -> dict:
     if run.front_end == "delayed":
         record["pending"] = opt.pending
         opt.flush()
+        record["collectives"] = opt.last_step.collectives
     record["final"] = _flat(model.parameters())
     return record
 
@@ -158,6 +161,29 @@ def test_exchanges_in_flight_on_several_lanes_change_nothing_but_the_timing(
         for step, (x, y) in enumerate(zip(a["weights"], b["weights"], strict=True)):
             assert np.array_equal(x, y), f"weights differ after step {step}"
         assert np.array_equal(a["final"], b["final"])
+
+
+@pytest.mark.parametrize(
+    ("compressor", "options", "unfused"),
+    [
+        ("powersgd", {"rank": 1}, 6),  # 2 rounds per weight, biases sent dense in 1
+        ("terngrad", {}, 8),  # 2 rounds per tensor
+        ("topk", {"density": 0.3}, 4),  # 1 round: nothing to fuse
+    ],
+)
+def test_fused_rounds_train_the_same_with_fewer_collectives(
+    pool2, compressor: str, options: dict, unfused: int
+) -> None:
+    """Each bucket's later rounds sent with the next bucket's first: the same averages
+    (up to the fused buffers' rounding order), B + 1 collectives a step for B = 4 buckets
+    of several rounds instead of one per round of each bucket."""
+    run = Run(compressor=compressor, options=options, delay=1)
+    fused = pool2.run(train, run)
+    alone = pool2.run(train, dataclasses.replace(run, fuse_rounds=False))
+    for a, b in zip(fused, alone, strict=True):
+        np.testing.assert_allclose(a["final"], b["final"], rtol=0, atol=1e-5)
+        assert b["collectives"] == unfused
+        assert a["collectives"] == (unfused if unfused == 4 else 5)
 
 
 def test_lanes_are_refused_for_compressors_with_state(pool2) -> None:

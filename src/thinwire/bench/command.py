@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-fuse-rounds",
         action="store_true",
-        help="run each DDP bucket's compressor rounds alone instead of sending a bucket's "
-        "later rounds with the next bucket's first (thinwire compressors of several rounds)",
+        help="run each bucket's compressor rounds alone instead of sending a bucket's "
+        "later rounds with the next bucket's first (thinwire compressors of several "
+        "rounds, under DDP and dga)",
     )
     parser.add_argument(
         "--compute",

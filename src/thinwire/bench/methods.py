@@ -156,9 +156,10 @@ def wrap(
     """``model`` made data parallel by ``method``.
 
     ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
-    and 25 MB after it; also the bucket size of ``dga``). ``fuse_rounds``: the DDP hook's
-    option of the same name (:func:`thinwire.register`). ``broadcast_buffers``: DDP's
-    option (rank 0's buffers, e.g. batch-norm statistics, sent to all at every forward).
+    and 25 MB after it; also the bucket size of ``dga``). ``fuse_rounds``: the option of
+    that name of the DDP hook (:func:`thinwire.register`) and of ``dga``.
+    ``broadcast_buffers``: DDP's option (rank 0's buffers, e.g. batch-norm statistics,
+    sent to all at every forward).
     Call on every rank after ``torch.distributed`` is initialised (except for ``local``).
     ``ps-*`` run colocated: every rank is a worker and ranks ``0 .. servers-1`` also serve
     a shard.
@@ -175,6 +176,7 @@ def wrap(
             delay=options["delay"],
             lanes=options["lanes"],
             bucket_cap_mb=bucket_cap_mb or 25.0,
+            fuse_rounds=fuse_rounds,
             **options["compressor_options"],
         )
         return Wrapped(model, dga, dga.engine, dga.flush)

@@ -92,6 +92,9 @@ class DelayedAveraging:
         communicator: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"direct"``.
         memory: override the compressor's default error-feedback memory.
         bucket_cap_mb: gradients are exchanged in buckets of about this size.
+        fuse_rounds: send each bucket's later rounds in the collectives of the next
+            bucket's first, as ``DistributedOptimizer`` does (``False``: each bucket's
+            rounds alone).
         group: the process group; default: the global one.
         broadcast_parameters: copy rank 0's parameters to every rank at construction.
         **options: compressor options when ``compressor`` is a name.
@@ -108,6 +111,7 @@ class DelayedAveraging:
         communicator: str | Communicator = "auto",
         memory: Memory | None = None,
         bucket_cap_mb: float = 25.0,
+        fuse_rounds: bool = True,
         group: dist.ProcessGroup | None = None,
         broadcast_parameters: bool = True,
         **options: Any,
@@ -126,6 +130,7 @@ class DelayedAveraging:
             communicator=communicator,
             memory=memory,
             bucket_cap_mb=bucket_cap_mb,
+            fuse_rounds=fuse_rounds,
             group=group,
             broadcast_parameters=broadcast_parameters,
             **options,
@@ -249,13 +254,14 @@ class DelayedAveraging:
         return len(self._lanes)
 
     def _start_exchange(self) -> _Pending:
-        """Copy this rank's gradients (fp32) and queue their exchange, bucket by bucket.
-        Parameters without a gradient get zeros, as in ``DistributedOptimizer``, so every
-        rank issues the same collectives and steps the same parameters."""
-        deltas, futures = [], []
+        """Copy this rank's gradients (fp32) and queue their exchange, all buckets in one
+        job on the lane's exchange thread. Parameters without a gradient get zeros, as in
+        ``DistributedOptimizer``, so every rank issues the same collectives and steps the
+        same parameters."""
+        buckets: list[list[GradientItem]] = []
         engine = self._lanes[self._started % len(self._lanes)]
         with torch.no_grad():
-            for index, bucket in enumerate(self.buckets):
+            for bucket in self.buckets:
                 items = []
                 for name, p in bucket:
                     if p.grad is None:
@@ -263,24 +269,45 @@ class DelayedAveraging:
                     own = p.grad.detach().to(torch.float32, copy=True)
                     param = p.detach().clone() if self._snapshot_params else None
                     items.append(GradientItem(name, own, param))
-                closes_step = index == len(self.buckets) - 1
-                deltas.append([item.grad for item in items])
-                futures.append(engine.submit(partial(self._exchange, engine, items, closes_step)))
+                buckets.append(items)
+        futures = [torch.futures.Future() for _ in buckets]
+        engine.submit(partial(self._exchange, engine, buckets, futures))
         self._started += 1
         lrs = [float(param_group["lr"]) for param_group in self.optimizer.param_groups]
+        deltas = [[item.grad for item in items] for items in buckets]
         return _Pending(deltas, futures, lrs, step=self._started - 1)
 
     def _exchange(
-        self, engine: GradientExchange, items: list[GradientItem], closes_step: bool
+        self,
+        engine: GradientExchange,
+        buckets: list[list[GradientItem]],
+        futures: list[torch.futures.Future],
     ) -> None:
-        """On the exchange thread: average ``items`` and turn each own gradient into
-        ``avg - own`` in place (some compressors reuse their output buffers next step,
-        and the exchange never writes its input)."""
-        means = engine.exchange(items)
-        for item, mean in zip(items, means, strict=True):
-            item.grad.neg_().add_(mean)
-        if closes_step:
-            engine.end_step()
+        """On the exchange thread: average one step's buckets, in order, and turn each own
+        gradient into ``avg - own`` in place (some compressors reuse their output buffers
+        next step, and the exchange never writes its input); resolve each bucket's future
+        as it finishes. With ``fuse_rounds``, bucket i's later rounds travel in bucket
+        i+1's collectives (:meth:`GradientExchange.exchange_fused`). An error fails every
+        bucket not yet finished, so :meth:`_correct` raises it instead of waiting."""
+        try:
+            for index, items in enumerate(buckets):
+                last = index == len(buckets) - 1
+                if self._sync.fuse_rounds:
+                    finished = engine.exchange_fused(items, index, last=last)
+                else:
+                    finished = [(index, engine.exchange(items))]
+                for done, means in finished:
+                    for item, mean in zip(buckets[done], means, strict=True):
+                        item.grad.neg_().add_(mean)
+                if last:  # the step is closed before anyone waiting on it wakes up
+                    engine.end_step()
+                for done, _ in finished:
+                    futures[done].set_result(None)
+        except BaseException as error:
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+            raise
 
     def _correct(self, pending: _Pending) -> None:
         """Wait for one step's exchange and apply ``delta = avg - own`` as if step t had
