@@ -33,9 +33,20 @@ def load_records(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def describe(record: dict[str, Any]) -> str:
-    """The method and the options it ran with, e.g. ``dgc (warmup_steps=200)``."""
-    options = ", ".join(f"{k}={v}" for k, v in sorted(record.get("options", {}).items()))
-    return f"{record['method']} ({options})" if options else record["method"]
+    """The method and the options it ran with, e.g. ``dgc (warmup_steps=200)``; a wrapper
+    method's compressor first, then the compressor's options, then the wrapper's:
+    ``dga (compressor=dgc, warmup_steps=200, delay=1, lanes=1)``."""
+    options = record.get("options") or {}
+    pairs = sorted(options.items())
+    if "compressor_options" in options:
+        wrapper = sorted((k, v) for k, v in pairs if k not in ("compressor", "compressor_options"))
+        pairs = [
+            ("compressor", options["compressor"]),
+            *sorted(options["compressor_options"].items()),
+            *wrapper,
+        ]
+    shown = ", ".join(f"{k}={v}" for k, v in pairs)
+    return f"{record['method']} ({shown})" if shown else record["method"]
 
 
 def plot_labels(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -90,3 +90,23 @@ def test_plot_labels_tell_repeated_methods_apart(quality_table: ModuleType) -> N
     # the options both dgc records share say nothing: only masking tells them apart
     assert labels == ["dense", "dgc", "dgc (masking=False)", "onebit"]
     assert [r["method"] for r in records][1] == "dgc"  # the records themselves are untouched
+
+
+def test_a_wrapper_is_described_by_its_compressor_then_its_own_options(
+    quality_table: ModuleType,
+) -> None:
+    dga = record(
+        "dga",
+        "accuracy",
+        0.92,
+        delay=1,
+        lanes=1,
+        compressor="dgc",
+        compressor_options={"warmup_steps": 200, "masking": True},
+    )
+    assert quality_table.describe(dga) == (
+        "dga (compressor=dgc, masking=True, warmup_steps=200, delay=1, lanes=1)"
+    )
+    assert quality_table.describe(record("dgc", "accuracy", 0.9, warmup_steps=2)) == (
+        "dgc (warmup_steps=2)"
+    )

@@ -624,7 +624,9 @@ def test_terngrad_per_row_shares_each_rows_largest_scaler() -> None:
     # with one scaler per tensor a small row rounds almost all to zero; per row, the rank
     # that holds the row's largest entries sends about E|c| / s ~ 0.3 of it nonzero
     assert all(float((row != 0).float().mean()) > 0.15 for row in results[1].local)
-    per_tensor = drive([TernGrad(seed=r).exchange(x, Slot("w", 0, 2, r)) for r, x in enumerate(xs)])
+    per_tensor = drive(
+        [TernGrad(per_row=False, seed=r).exchange(x, Slot("w", 0, 2, r)) for r, x in enumerate(xs)]
+    )
     assert float((per_tensor[1].local[0] != 0).float().mean()) < 0.01
 
 

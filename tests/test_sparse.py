@@ -215,6 +215,29 @@ def test_prefetch_misuse_is_refused_with_a_reason(pool2) -> None:
         assert works == "True"
 
 
+def _one_rank_misuses_prefetch(rank: int, world: int) -> list[str]:
+    table = ShardedEmbedding(VOCAB, DIM, seed=3)
+    table.prefetch(torch.tensor([1, 2, 3]))
+    messages = []
+    try:  # only rank 0 passes other ids: it raises, and the others learn of it at once
+        table(torch.tensor([4, 5]) if rank == 0 else torch.tensor([1, 2, 3]))
+        messages.append("no error")
+    except RuntimeError as error:
+        messages.append(f"{type(error).__name__}: {error}")
+    after = table(torch.tensor([6])).detach()  # every rank still makes the same calls
+    messages.append(str(torch.equal(after, table.full_weight()[6:7])))
+    return messages
+
+
+def test_one_rank_misusing_prefetch_makes_every_rank_raise_not_wait(pool) -> None:
+    results = pool.run(_one_rank_misuses_prefetch)
+    assert "other ids than the last prefetch" in results[0][0]
+    for message, works in results[1:]:
+        assert message.startswith("RankMismatchError") and "rank(s) [0]" in message
+        assert works == "True"
+    assert results[0][1] == "True"
+
+
 def _gathered_traffic(rank: int, world: int, dtype: torch.dtype) -> dict[str, Any]:
     table = AllGatherEmbedding(VOCAB, DIM, seed=3).to(dtype)
     ids = torch.tensor([[5, 5, 5, 0], [36, 5, 0, 0]]) if rank == 0 else torch.tensor([[rank]])

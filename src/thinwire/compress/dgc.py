@@ -45,7 +45,10 @@ class DGC(TopK):
         momentum: the momentum DGC applies in its memory; the optimizer must not add its own.
         max_norm: local gradient clipping: each worker clips to ``max_norm / sqrt(N)``;
             ``None`` disables it.
-        masking: momentum factor masking (zero the velocity of the entries sent).
+        masking: momentum factor masking (zero the velocity of the entries sent), as
+            published; off by default: on a small LSTM at 20 000 steps it ended 4.7 %
+            above dense's perplexity against 2.7 % without it, and it made no difference
+            on the image task (README, "Quality").
         weight_decay: added to the gradient before momentum.
         warmup_steps: steps of exponential warm-up (densities 0.25, 0.0625, ... down to
             ``density``, in equal stages); 0 starts at ``density``.
@@ -56,7 +59,7 @@ class DGC(TopK):
     density: float = 0.001
     momentum: float = 0.9
     max_norm: float | None = None
-    masking: bool = True
+    masking: bool = False
     weight_decay: float = 0.0
     warmup_steps: int = 0
     sample_fraction: float = 0.01

@@ -10,7 +10,8 @@ DGC (Lin et al. 2018), per tensor, with momentum ``m`` moved out of the optimize
     g = clip(g + wd * w, max_norm / sqrt(N))   # local gradient clipping
     u = m * u + g                              # momentum correction: accumulate velocity
     v = v + u                                  # accumulate (this is what is compressed)
-    v[sent] = 0; u[sent] = 0                   # residual update; momentum factor masking
+    v[sent] = 0                                # residual update
+    u[sent] = 0                                # momentum factor masking (if masking)
 
 The optimizer must then apply the averaged ``v`` with plain SGD (no second momentum).
 Tensors the compressor declines (1-D biases and norms) still get ``u`` and ``v`` but are
@@ -76,13 +77,14 @@ class DGCMemory(Memory):
         momentum: the momentum ``m`` DGC applies (the optimizer must not add its own).
         max_norm: clip each worker's gradient to norm ``max_norm / sqrt(N)`` per tensor
             before accumulation; ``None`` disables clipping.
-        masking: zero the momentum of every sent entry (momentum factor masking).
+        masking: zero the momentum of every sent entry (momentum factor masking, as
+            published; off by default, see :class:`~thinwire.compress.dgc.DGC`).
         weight_decay: added to the gradient before momentum (``g + wd * w``).
     """
 
     momentum: float = 0.9
     max_norm: float | None = None
-    masking: bool = True
+    masking: bool = False
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:

@@ -20,9 +20,10 @@ nothing. Wire: 4 bytes in round 1 + n/4 bytes in round 2, 2.032 bits per value a
 P(t = sign c) is |c| / s to within 2^-16, a zero always sends 0 and an entry at ±s always
 sends ±1.
 
-With ``per_row`` (off by default: the paper scales a whole layer), every row (first
-dimension: an output channel or unit, or one gate's unit of an LSTM's stacked matrix) of a
-tensor whose rows hold at least 64 values has its own bound and scaler::
+The above is the paper's form, one scaler per layer (``per_row=False``). By default
+(``per_row``) every row (first dimension: an output channel or unit, or one gate's unit of
+an LSTM's stacked matrix) of a tensor whose rows hold at least 64 values has its own bound
+and scaler::
 
     c[j]   = clamp(g[j], ±clip_sigma * σ_j)        σ_j = sqrt(mean g[j]²)
     s_j    = max over ranks of max |c[j]|           round 1: a max all-reduce of a vector
@@ -74,13 +75,14 @@ class TernGrad(StochasticCompressor):
             quantising (> 0); ``None`` disables clipping.
         seed: seeds each rank's random stream, together with the rank.
         per_row: a bound and a scaler per row (first dimension) of each tensor whose rows
-            hold at least :data:`~thinwire.compress.base.MIN_ROW` values; ``False`` (the
-            default, as published): one per tensor.
+            hold at least :data:`~thinwire.compress.base.MIN_ROW` values (the default);
+            ``False``: one per tensor, as published, which ended 6.9 % above dense's
+            perplexity on a small LSTM against 1.4 % per row (README, "Quality").
     """
 
     clip_sigma: float | None = 2.5
     seed: int = 0
-    per_row: bool = False
+    per_row: bool = True
 
     name = "terngrad"
     summary = "TernGrad: unbiased stochastic ternary, 2 bits per value, max-shared scaler"

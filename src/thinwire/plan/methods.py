@@ -134,12 +134,15 @@ BUILTIN_METHODS: dict[str, Method] = {
 
 #: options a thinwire compressor gets unless given, recorded with its results: PowerSGD and
 #: its one-round form at rank 2, the rank ``ddp-powersgd`` defaults to, so that the
-#: implementations compare; onebit's own default ``per_row``, named so that every record
-#: says which 1-bit ran
+#: implementations compare; the compressors' own defaults where they depart from the
+#: published method (1-bit's and TernGrad's ``per_row``, DGC's ``masking``), named so
+#: that every record says which form ran
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "powersgd": {"rank": 2},
     "powersgd-oneround": {"rank": 2},
     "onebit": {"per_row": True},
+    "terngrad": {"per_row": True},
+    "dgc": {"masking": False},
 }
 
 #: what ``thinwire plan`` predicts when no ``--methods`` are given
@@ -210,7 +213,8 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
     merged = {**BUILTIN_METHODS[name].defaults, **given}
     if kind in WRAPPER_KINDS or kind in EMBEDDING_KINDS:
         _check_wrapper_options(name, merged, set(given) - set(BUILTIN_METHODS[name].defaults))
-        return merged
+        own = DEFAULT_OPTIONS.get(merged["compressor"], {})
+        return {**merged, "compressor_options": {**own, **merged["compressor_options"]}}
     accepted = _powersgd_options() if kind is Kind.DDP_POWERSGD else set()
     unknown = sorted(set(given) - accepted)
     if unknown:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import sibling_group
+from thinwire.errors import RankMismatchError
 
 
 @dataclass
@@ -194,23 +195,21 @@ class ShardedEmbedding(nn.Module):
 
         If :meth:`prefetch` was called, ``ids`` must be the ids it was given: the routes
         are already exchanged, and a rank that routed again would issue collectives the
-        others do not. A rank given other ids raises; the other ranks then wait in the
-        row exchange until the process group's timeout, and raise too.
+        others do not. A rank given other ids still takes part in the row exchange of the
+        prefetched route, with a flag that tells every rank, and then every rank raises:
+        this one that its ids differ, the others which rank's did.
         """
         flat = check_ids(ids, self.num_embeddings)
+        mismatch = False
         if self._pending is not None:
             expected, future = self._pending
             self._pending = None
             route = future.result()  # re-raises what failed on the prefetch thread
-            if not torch.equal(expected, flat):
-                raise RuntimeError(
-                    "ShardedEmbedding: forward got other ids than the last prefetch(); pass "
-                    "prefetch() exactly the ids of the next lookup (or do not prefetch)"
-                )
+            mismatch = not torch.equal(expected, flat)
         else:
             route = self.route(flat, self._lookup_group)
         self.traffic = SparseTraffic(ids=route.id_bytes)
-        out = _Lookup.apply(self.weight, route, self)
+        out = _Lookup.apply(self.weight, route, self, mismatch)
         return out.view(*ids.shape, self.embedding_dim)
 
     def prefetch(self, ids: Tensor) -> None:
@@ -248,6 +247,36 @@ class ShardedEmbedding(nn.Module):
         id_bytes = (unique.numel() + self.world) * 8
         served = wanted // self.world
         return Route(unique, inverse, order, send_counts, recv_counts, served, id_bytes)
+
+    def fetch_rows(
+        self, rows: Tensor, send_counts: list[int], recv_counts: list[int], mismatch: bool
+    ) -> Tensor:
+        """The forward's row exchange (:meth:`exchange_rows`), each rank's rows to each
+        peer followed by one status row: 1 where ``mismatch`` (this rank's forward got
+        other ids than its prefetch), else 0. Raises on every rank if any rank's status
+        is 1, after the exchange, so no rank is left waiting in it."""
+        status = rows.new_full((1, self.embedding_dim), float(mismatch))
+        outgoing = torch.cat(
+            [part for chunk in rows.split(send_counts) for part in (chunk, status)]
+        )
+        incoming = self.exchange_rows(
+            outgoing, [n + 1 for n in send_counts], [n + 1 for n in recv_counts]
+        )
+        chunks = incoming.split([n + 1 for n in recv_counts])
+        flagged = [rank for rank, chunk in enumerate(chunks) if bool(chunk[-1, 0] != 0)]
+        if mismatch:
+            raise RuntimeError(
+                "ShardedEmbedding: forward got other ids than the last prefetch(); pass "
+                "prefetch() exactly the ids of the next lookup (or do not prefetch). The "
+                "other ranks were told and raise too."
+            )
+        if flagged:
+            raise RankMismatchError(
+                f"ShardedEmbedding: rank(s) {flagged} passed forward other ids than their "
+                f"last prefetch() (seen from rank {self.rank}); every rank must pass "
+                "prefetch() exactly the ids of its next lookup. No rank used the rows."
+            )
+        return torch.cat([chunk[:-1] for chunk in chunks])
 
     def exchange_rows(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
         """``all_to_all_single`` of ``(n, D)`` rows with uneven splits (collective)."""
@@ -352,9 +381,11 @@ class _Lookup(torch.autograd.Function):
     """Forward: fetch rows from their owners; backward: send row gradients to them."""
 
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, route: Route, table: ShardedEmbedding) -> Tensor:
+    def forward(
+        ctx: Any, weight: Tensor, route: Route, table: ShardedEmbedding, mismatch: bool
+    ) -> Tensor:
         served = weight.detach().index_select(0, route.served)
-        fetched = table.exchange_rows(served, route.recv_counts, route.send_counts)
+        fetched = table.fetch_rows(served, route.recv_counts, route.send_counts, mismatch)
         vectors = torch.empty_like(fetched)
         vectors[route.order] = fetched
         table.traffic.rows = served.numel() * served.element_size()
@@ -362,7 +393,7 @@ class _Lookup(torch.autograd.Function):
         return vectors.index_select(0, route.inverse)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None, None]:
         route, table = ctx.route, ctx.table
         per_unique = grad_out.new_zeros(route.unique.numel(), table.embedding_dim)
         per_unique.index_add_(0, route.inverse, grad_out.reshape(-1, table.embedding_dim))
@@ -376,4 +407,4 @@ class _Lookup(torch.autograd.Function):
             grad = torch.sparse_coo_tensor(route.served.unsqueeze(0), at_owner, shape).coalesce()
         else:
             grad = grad_out.new_zeros(shape).index_add_(0, route.served, at_owner)
-        return grad, None, None
+        return grad, None, None, None
