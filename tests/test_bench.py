@@ -60,6 +60,17 @@ def test_methods_are_validated_before_anything_starts() -> None:
     assert methods["ddp-powersgd"].options["matrix_approximation_rank"] == 3
 
 
+def test_records_name_the_form_of_compressors_whose_defaults_depart_from_the_paper() -> None:
+    methods = {m.name: m for m in parse_methods("dgc,terngrad,onebit,dga", steps=10)}
+    assert methods["dgc"].options == {"masking": False, "warmup_steps": 1}
+    assert methods["terngrad"].options == {"per_row": True}
+    assert methods["onebit"].options == {"per_row": True}
+    wrapped = parse_methods("dga", {"dga": {"compressor": "dgc", "compressor_options": {}}})
+    assert wrapped[0].options["compressor_options"] == {"masking": False}
+    asked = parse_methods("dgc", {"dgc": {"masking": True}})  # the paper's form, on request
+    assert asked[0].options["masking"] is True and asked[0].compressor().masking is True
+
+
 def test_the_cosine_schedule_runs_from_lr_down_to_zero_and_names_are_checked() -> None:
     from thinwire.bench.worker import LR_SCHEDULES
 
