@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import pytest
 from thinwire.bench.methods import parse_methods
 from thinwire.bench.runner import BenchConfig, run_bench, split_link_time
 from thinwire.cluster import check_can_emulate, list_namespaces
+from thinwire.cluster.private import check_private_loopback
 from thinwire.tasks import task
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -212,11 +216,52 @@ def test_a_short_loopback_run_writes_every_field(tmp_path: Path) -> None:
         assert record["wall_scaling_efficiency"] == pytest.approx(
             by["local"]["wall_step_s"] / record["wall_step_s"]
         )
-    # dense moves at least the ring all-reduce volume (loopback is shared with anything
-    # else on this machine, so only a lower bound holds); DGC (density 0.001 on 2-D
-    # tensors, 1-D tensors dense) contributes far less, by the engine's own count
+    # dense moves at least the ring all-reduce volume (without root, loopback is shared
+    # with anything else on this machine, so only a lower bound holds); DGC (density 0.001
+    # on 2-D tensors, 1-D tensors dense) contributes far less, by the engine's own count
+    assert by["dense"]["loopback_private"] is (check_private_loopback() is None)
     assert by["dense"]["bytes_sent_per_step"] >= 0.95 * _dense_ring_bytes(2)
     assert by["dgc"]["thinwire"]["payload_bytes_median"] < _dense_ring_bytes(2) / 5
+
+
+@pytest.mark.skipif(check_private_loopback() is not None, reason="private loopback needs root")
+def test_a_loopback_run_counts_its_own_bytes_while_the_machine_sends_others(
+    tmp_path: Path,
+) -> None:
+    config = BenchConfig(
+        task="digits", methods=parse_methods("dense"), workers=2, steps=6, network="loopback"
+    )
+    stop = threading.Event()
+    blasted = []
+
+    def blast() -> None:  # megabytes over the machine's 127.0.0.1 all through the run
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            sink = threading.Thread(target=lambda: _drain(server))
+            sink.start()
+            with socket.create_connection(server.getsockname()) as client:
+                while not stop.is_set():
+                    client.sendall(b"z" * (1 << 20))
+                    blasted.append(1 << 20)
+                    time.sleep(0.005)
+            sink.join()
+
+    blaster = threading.Thread(target=blast)
+    blaster.start()
+    try:
+        (record,) = run_bench(config, tmp_path)
+    finally:
+        stop.set()
+        blaster.join()
+    assert sum(blasted) > 20 * _dense_ring_bytes(2)  # far more than the run's own bytes
+    assert record["loopback_private"] is True
+    assert record["bytes_sent_per_step"] == pytest.approx(_dense_ring_bytes(2), rel=0.1)
+
+
+def _drain(server: socket.socket) -> None:
+    peer, _ = server.accept()
+    with peer:
+        while peer.recv(1 << 20):
+            pass
 
 
 def _ddp_broadcasts(rank: int, world_size: int, broadcast: bool) -> dict[str, Any]:

@@ -66,8 +66,9 @@ def init_local_group(
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each rank runs: rank i in network namespace ``namespaces[i]`` with interface
-    ``interface``; the rendezvous is at ``master_address`` (an emulated cluster's host 0)."""
+    """Where each rank runs: rank i in network namespace ``namespaces[i]`` (a name, or a
+    namespace file's path) with interface ``interface``; the rendezvous is at
+    ``master_address`` (an emulated cluster's host 0, or 127.0.0.1 on a private loopback)."""
 
     namespaces: tuple[str, ...]
     master_address: str

@@ -13,7 +13,9 @@ time, so ``scaling_efficiency = local step time / method step time``, and
 counts for ``dga`` and ``ps-async``, whose ranks do not wait for each other. On the emulated
 cluster the links are probed first: one all-reduce of the model's size (the bandwidth the
 ring delivers to it) and two larger ones that separate the link's bandwidth from the fixed
-cost of an all-reduce.
+cost of an all-reduce. On ``--network loopback`` run as root, the ranks share a network
+namespace of their own (:mod:`thinwire.cluster.private`), so the byte counts are this run's
+alone; without root they use the machine's loopback, whose counters count every process.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from thinwire.bench.worker import (
     train_method,
 )
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
+from thinwire.cluster.private import check_private_loopback, private_loopback
 from thinwire.launch import LocalPool, Placement
 from thinwire.plan.methods import EMBEDDING_KINDS, UNSYNCHRONISED_KINDS, method_kind
 
@@ -139,7 +142,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
         progress_file = str(Path(scratch) / "progress")
         with LocalPool(config.workers, collective_timeout_s=600, placement=placement) as pool:
             pool.run(_ready, timeout=300)
-            if placement is not None and config.workers > 1:
+            if config.network == "emulated" and config.workers > 1:
                 describe.update(_measure_link(pool, config, console, describe["bandwidth_bps"]))
             stages = _measure_stages(pool, config, console) if config.compute == "sleep" else None
             if stages is not None:
@@ -302,7 +305,19 @@ def _network(
     config: BenchConfig, console: Console
 ) -> Iterator[tuple[Placement | None, str, dict[str, Any], Callable[[], None]]]:
     if config.network == "loopback":
-        yield None, "lo", {"network": "loopback", "bandwidth": None, "latency": None}, _fine
+        described = {"network": "loopback", "bandwidth": None, "latency": None}
+        reason = check_private_loopback()
+        if reason:
+            console.print(
+                f"loopback: the machine's own ({reason}), so its byte counts include "
+                "whatever else crosses it meanwhile"
+            )
+            yield None, "lo", {**described, "loopback_private": False}, _fine
+            return
+        with private_loopback() as namespace:
+            console.print("loopback: a private network namespace, only this run's traffic")
+            placement = Placement((namespace,) * config.workers, "127.0.0.1", "lo")
+            yield placement, "lo", {**described, "loopback_private": True}, _fine
         return
     if config.network != "emulated":
         raise ValueError(f"--network must be 'emulated' or 'loopback', got {config.network!r}")

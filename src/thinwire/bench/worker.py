@@ -5,8 +5,9 @@ loss), ``backward`` (``loss.backward()``, which under DDP includes waiting for t
 buckets' exchange) and ``optimizer``. Bytes on the wire are read from the kernel's counters
 of the host's interface (``/proc/net/dev`` is per network namespace), so every method is
 measured the same way, headers and acknowledgements included; on loopback, where all ranks
-share one interface, the total is divided by the number of ranks (and the interface is the
-machine's: whatever else runs over it at the same time is counted too). The count runs from the
+share one interface, the total is divided by the number of ranks (run as root, the ranks
+have a private loopback and count only their own traffic; otherwise the interface is the
+machine's, and whatever else runs over it at the same time is counted too). The count runs from the
 first measured step to the end and is divided by the exchanges it saw: the measured steps,
 plus, under delayed averaging, the exchanges still in flight when the count began (they
 send inside it). Over the same steps the worker reads the CPU time its process used (every

@@ -46,8 +46,10 @@ def open_tun(name: str) -> int:
     return fd
 
 
-def enter_namespace(name: str) -> None:
-    """Move the calling thread into network namespace ``name``.
+def enter_namespace(namespace: str) -> None:
+    """Move the calling thread into a network namespace: ``namespace`` is a name under
+    ``/var/run/netns`` (``ip netns add``) or the path of a namespace file, such as
+    ``/proc/<pid>/ns/net``.
 
     A network namespace belongs to a thread: threads started afterwards by this one inherit
     it, earlier ones keep theirs, and sockets keep the namespace they were created in. So
@@ -55,11 +57,13 @@ def enter_namespace(name: str) -> None:
     opens its sockets.
     """
     libc = ctypes.CDLL(None, use_errno=True)
-    path = os.path.join(NETNS_DIR, name)
+    path = namespace if os.sep in namespace else os.path.join(NETNS_DIR, namespace)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if libc.setns(fd, CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name!r} failed: {os.strerror(err)}")
+            raise OSError(
+                err, f"setns into network namespace {namespace!r} failed: {os.strerror(err)}"
+            )
     finally:
         os.close(fd)
