@@ -4,12 +4,17 @@ peer gives a clear error instead of a hang."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import thinwire
+from thinwire.dp.replay import ConsensusReplay
 from thinwire.launch import init_local_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -41,6 +47,7 @@ class Run:
     lanes: int = 1
     momentum: float = 0.0
     fuse_rounds: bool = True
+    optimizer: str = "sgd"  # or "adam", "nesterov": no closed-form correction (replayed)
 
 
 def _model() -> nn.Module:
@@ -52,11 +59,31 @@ def _flat(tensors) -> np.ndarray:
     return torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
 
 
+def _optimizer(run: Run, params) -> torch.optim.Optimizer:
+    if run.optimizer == "adam":
+        return torch.optim.Adam(params, lr=SCHEDULE[0] / 10)
+    if run.optimizer == "nesterov":
+        return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=0.9, nesterov=True)
+    return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=run.momentum)
+
+
+def _state(optimizer: torch.optim.Optimizer) -> np.ndarray:
+    """Every tensor of the optimizer's per-parameter state, flattened, in a fixed order."""
+    values = [
+        torch.as_tensor(value, dtype=torch.float32)
+        for state in optimizer.state.values()
+        for _, value in sorted(state.items())
+    ]
+    return _flat(values) if values else np.zeros(0, dtype=np.float32)
+
+
 def train(rank: int, world: int, run: Run) -> dict:
-    """Train ``run.steps`` steps of plain SGD; record this rank's gradient, learning rate
-    and weights at every step, the weights after ``flush()`` and what was pending."""
+    """Train ``run.steps`` steps (plain SGD unless ``run.optimizer`` says otherwise);
+    record this rank's gradient, learning rate and weights at every step, the weights
+    after ``flush()`` and what was pending."""
     model = _model()
-    sgd = torch.optim.SGD(model.parameters(), lr=SCHEDULE[0], momentum=run.momentum)
+    sgd = _optimizer(run, model.parameters())
+    scale = sgd.param_groups[0]["lr"] / SCHEDULE[0]
     if run.front_end == "sync":
         opt = thinwire.DistributedOptimizer(
             sgd, model, run.compressor, bucket_cap_mb=BUCKET_MB, **run.options
@@ -74,7 +101,7 @@ def train(rank: int, world: int, run: Run) -> dict:
         )
     record: dict = {"w0": _flat(model.parameters()), "grads": [], "lrs": [], "weights": []}
     for step in range(run.steps):
-        lr = SCHEDULE[step % len(SCHEDULE)]
+        lr = SCHEDULE[step % len(SCHEDULE)] * scale
         for group in opt.param_groups:
             group["lr"] = lr
         data = torch.Generator().manual_seed(1000 * step + (0 if run.same_data else rank + 1))
@@ -90,6 +117,7 @@ def train(rank: int, world: int, run: Run) -> dict:
         opt.flush()
         record["collectives"] = opt.last_step.collectives
     record["final"] = _flat(model.parameters())
+    record["state"] = _state(sgd)
     return record
 
 
@@ -231,6 +259,53 @@ def test_ranks_agree_on_everything_older_than_the_delay(pool, delay: int) -> Non
         np.testing.assert_allclose(record["final"], records[0]["final"], rtol=0, atol=1e-6)
 
 
+def _adam_on_averages(records: list[dict]) -> np.ndarray:
+    """Adam from w_0 on the ranks' average gradient of every step, with that step's
+    learning rate: what synchronous training on those gradients ends at."""
+    model = _model()
+    adam = torch.optim.Adam(model.parameters())
+    for step, lr in enumerate(records[0]["lrs"]):
+        average = sum(r["grads"][step] for r in records) / len(records)
+        offset = 0
+        for p in model.parameters():
+            p.grad = torch.from_numpy(average[offset : offset + p.numel()]).view_as(p).clone()
+            offset += p.numel()
+        adam.param_groups[0]["lr"] = lr
+        adam.step()
+    return _flat(model.parameters())
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_adam_is_replayed_on_the_consensus_so_ranks_agree_after_flush(pool, delay: int) -> None:
+    """Adam has no closed-form correction: each rank rebuilds its weights from the
+    consensus (Adam on the averages alone), so after flush() all hold Adam's result on the
+    average gradients, with the same moments, although they differed before it."""
+    records = pool.run(train, Run(delay=delay, optimizer="adam"))
+    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
+    expected = _adam_on_averages(records)
+    for record in records:
+        np.testing.assert_allclose(record["final"], expected, rtol=0, atol=2e-6)
+        np.testing.assert_array_equal(record["final"], records[0]["final"])
+        np.testing.assert_array_equal(record["state"], records[0]["state"])
+    # before the flush, each rank's weights are the consensus plus its own last D steps:
+    # at the step before the last, every rank's consensus is Adam on the averages so far
+    trimmed = [{**r, "grads": r["grads"][:-delay], "lrs": r["lrs"][:-delay]} for r in records]
+    agreed = _adam_on_averages(trimmed)
+    for record in records:
+        assert not np.allclose(record["weights"][-1], agreed, atol=1e-4)  # its own steps
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "nesterov"])
+def test_identical_data_makes_a_replayed_optimizer_synchronous(pool2, optimizer: str) -> None:
+    """Every rank's gradient is the average, so replaying its own steps on the consensus
+    gives the synchronous weights at every step."""
+    run = Run(delay=2, same_data=True, optimizer=optimizer)
+    for sync, delayed in pool2.run(sync_and_delayed, run):
+        for a, b in zip(sync["weights"], delayed["weights"], strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(delayed["state"], sync["state"], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("compressor", "options"),
     [
@@ -278,6 +353,46 @@ def checkpoint_after_flush(rank: int, world: int) -> tuple[str, int, list[str]]:
     sync = thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
     sync.load_state_dict(state)  # a flushed checkpoint is a DistributedOptimizer's
     return refusal, sync.engine.step, sorted(state)
+
+
+def _adam(state: dict | None = None) -> tuple[nn.Module, thinwire.DelayedAveraging]:
+    """Adam under DelayedAveraging (delay 2), loaded from ``state`` after construction as a
+    resumed job does (model, then optimizer)."""
+    model = _model()
+    opt = thinwire.DelayedAveraging(torch.optim.Adam(model.parameters(), lr=0.01), model, delay=2)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    return model, opt
+
+
+def _adam_steps(rank: int, model: nn.Module, opt: thinwire.DelayedAveraging, steps: range) -> None:
+    for step in steps:
+        data = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=data)).pow(2).sum().backward()
+        opt.step()
+    opt.flush()
+
+
+def resumed_adam(rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three steps, a flush, three more, in one job; and the last three in a new job loaded
+    from the checkpoint taken at the flush."""
+    model, opt = _adam()
+    _adam_steps(rank, model, opt, range(3))
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    _adam_steps(rank, model, opt, range(3, 6))
+    resumed_model, resumed_opt = _adam(checkpoint)
+    _adam_steps(rank, resumed_model, resumed_opt, range(3, 6))
+    return _flat(model.parameters()), _flat(resumed_model.parameters())
+
+
+def test_replayed_optimizer_resumes_from_a_flushed_checkpoint(pool2) -> None:
+    """After loading, the consensus adopts the loaded weights and Adam's moments."""
+    finals = pool2.run(resumed_adam)
+    for straight, resumed in finals:
+        np.testing.assert_array_equal(resumed, straight)
+        np.testing.assert_array_equal(resumed, finals[0][1])
 
 
 def test_state_dict_is_refused_until_flush(pool2) -> None:
@@ -355,3 +470,40 @@ def test_lost_peer_gives_a_communication_error_not_a_hang(
     assert kind == "error", (kind, step, message)
     assert step == 5 if fate == "stalls" else 3 <= step <= 5, (step, message)
     assert "peer rank has probably died" in message
+
+
+class _NeedsAScale(torch.optim.SGD):
+    """An optimizer whose constructor needs more than its parameter groups."""
+
+    def __init__(self, params, scale: float) -> None:
+        super().__init__(params, lr=0.1 * scale)
+
+
+def test_an_optimizer_that_cannot_be_built_again_is_refused_with_the_reason() -> None:
+    model = _model()
+    nesterov = _NeedsAScale(model.parameters(), scale=1.0)
+    nesterov.param_groups[0].update(momentum=0.9, nesterov=True)  # no closed form: replayed
+    with pytest.raises(TypeError, match="second _NeedsAScale over copies of the parameters"):
+        ConsensusReplay(nesterov)
+
+
+def test_the_optimizer_benchmark_finds_ranks_on_one_consensus(tmp_path) -> None:
+    """bench/dga_optimizers.py: Adam under a delay ends with every rank on the same
+    weights, away from the synchronous run's (it did train differently)."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "dga_optimizers.py"
+    out = tmp_path / "adam.json"
+    argv = ["--workers", "2", "--steps", "30", "--delays", "0,2", "--check-every", "10"]
+    done = subprocess.run(
+        [sys.executable, str(script), *argv, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    sync, delayed = json.loads(out.read_text())
+    assert (sync["delay"], delayed["delay"]) == (0, 2)
+    assert [step for step, _ in delayed["spread_after_flush"]] == [10, 20, 30]
+    assert all(spread == 0 for _, spread in delayed["spread_after_flush"])
+    assert len(set(delayed["accuracy_per_rank"])) == 1
+    assert delayed["distance_from_first_run"] > 1e-3

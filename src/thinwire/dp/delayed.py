@@ -33,6 +33,7 @@ from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.optimizer import DistributedOptimizer
 from thinwire.compress.base import Compressor, Memory, Request
 from thinwire.compress.feedback import NoMemory
+from thinwire.dp.replay import ConsensusReplay, Hyper, hyperparameters
 from thinwire.errors import RankMismatchError
 
 
@@ -46,6 +47,9 @@ class _Pending:
     futures: list[torch.futures.Future]
     lrs: list[float]
     step: int = 0
+    #: replay only: this rank's gradients (by parameter id) and the groups' settings
+    own: dict[int, Tensor] | None = None
+    hyper: Hyper | None = None
 
 
 class DelayedAveraging:
@@ -74,9 +78,17 @@ class DelayedAveraging:
     gradients, so once every correction is in (after :meth:`flush`) each rank has applied
     exactly the averaged gradients, through the same momentum: the ranks hold the same
     weights and buffers (up to rounding, and to weight decay, which acts on each rank's own
-    recent weights). Other optimizers (Adam, Nesterov, dampening) get the plain-SGD
-    correction and their own state sees only local gradients: ranks then drift apart.
-    DGC applies its momentum in its memory, before the exchange, so it is exact as well.
+    recent weights). DGC applies its momentum in its memory, before the exchange, so it is
+    exact as well.
+
+    Other optimizers (Adam, AdamW, RMSprop, SGD with Nesterov momentum or dampening) have
+    no closed-form correction: their step is not linear in the gradient. For them each rank
+    keeps the consensus, a second instance of the optimizer over copies of the weights
+    that steps on the averaged gradients only, and rebuilds its own weights every step as
+    the consensus plus its last D local steps replayed (:mod:`thinwire.dp.replay`). After
+    :meth:`flush` every rank holds the consensus: the same weights and optimizer state.
+    This costs a copy of the weights and of the optimizer state, and D + 1 optimizer steps
+    per training step.
 
     Args:
         optimizer: the local optimizer over the model's parameters.
@@ -142,6 +154,9 @@ class DelayedAveraging:
         #: the learning rates of the last D + 1 local steps (the momentum correction's)
         self._lr_history: collections.deque[list[float]] = collections.deque(maxlen=delay + 1)
         self._momenta = [_exact_momentum(optimizer, group) for group in optimizer.param_groups]
+        closed_form = all(_closed_form(optimizer, group) for group in optimizer.param_groups)
+        #: the consensus of optimizers without a closed-form correction (Adam, ...)
+        self._replay = ConsensusReplay(optimizer) if delay > 0 and not closed_form else None
         self._group_of = {
             id(p): index
             for index, param_group in enumerate(optimizer.param_groups)
@@ -231,6 +246,9 @@ class DelayedAveraging:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._replay is not None:
+            self._replay_step(self._replay)
+            return loss
         self._pending.append(self._start_exchange())
         self.optimizer.step()
         self._lr_history.append(self._pending[-1].lrs)
@@ -238,9 +256,42 @@ class DelayedAveraging:
             self._correct(self._pending.popleft())
         return loss
 
+    def _replay_step(self, replay: ConsensusReplay) -> None:
+        """Without a closed-form correction: advance the consensus by every average that is
+        due, then rebuild this rank's weights as the consensus plus its pending own steps
+        (just the local step if no average was due)."""
+        if not self._pending:  # the weights are agreed (start, flush, a loaded checkpoint)
+            replay.adopt_live()
+        self._pending.append(self._start_exchange())
+        if len(self._pending) <= self._delay:
+            self.optimizer.step()
+            return
+        while len(self._pending) > self._delay:
+            oldest = self._pending.popleft()
+            replay.advance(self._averages(oldest), oldest.hyper or [])
+        replay.rebuild([(pending.own or {}, pending.hyper or []) for pending in self._pending])
+
+    def _averages(self, pending: _Pending) -> dict[int, Tensor]:
+        """Wait for one step's exchange: its averaged gradients by parameter id."""
+        averages = {}
+        for bucket, means, future in zip(
+            self.buckets, pending.deltas, pending.futures, strict=True
+        ):
+            future.wait()  # raises the exchange's error (CommunicationError, ...) here
+            for (_, p), mean in zip(bucket, means, strict=True):
+                averages[id(p)] = mean
+        return averages
+
     def flush(self) -> None:
         """Wait for every exchange in flight and apply its correction, oldest first; ranks
         then hold the same weights. Call before evaluation and checkpoints."""
+        if self._replay is not None:
+            if self._pending:
+                while self._pending:
+                    oldest = self._pending.popleft()
+                    self._replay.advance(self._averages(oldest), oldest.hyper or [])
+                self._replay.rebuild([])
+            return
         while self._pending:
             self._correct(self._pending.popleft())
 
@@ -275,7 +326,13 @@ class DelayedAveraging:
         self._started += 1
         lrs = [float(param_group["lr"]) for param_group in self.optimizer.param_groups]
         deltas = [[item.grad for item in items] for items in buckets]
-        return _Pending(deltas, futures, lrs, step=self._started - 1)
+        pending = _Pending(deltas, futures, lrs, step=self._started - 1)
+        if self._replay is not None:
+            pending.own = {
+                id(p): p.grad.detach().clone() for p in self._replay.live if p.grad is not None
+            }
+            pending.hyper = hyperparameters(self.optimizer)
+        return pending
 
     def _exchange(
         self,
@@ -284,8 +341,9 @@ class DelayedAveraging:
         futures: list[torch.futures.Future],
     ) -> None:
         """On the exchange thread: average one step's buckets, in order, and turn each own
-        gradient into ``avg - own`` in place (some compressors reuse their output buffers
-        next step, and the exchange never writes its input); resolve each bucket's future
+        gradient into ``avg - own`` in place (into ``avg`` when replaying: some compressors
+        reuse their output buffers next step, and the exchange never writes its input);
+        resolve each bucket's future
         as it finishes. With ``fuse_rounds``, bucket i's later rounds travel in bucket
         i+1's collectives (:meth:`GradientExchange.exchange_fused`). An error fails every
         bucket not yet finished, so :meth:`_correct` raises it instead of waiting."""
@@ -298,7 +356,10 @@ class DelayedAveraging:
                     finished = [(index, engine.exchange(items))]
                 for done, means in finished:
                     for item, mean in zip(buckets[done], means, strict=True):
-                        item.grad.neg_().add_(mean)
+                        if self._replay is not None:
+                            item.grad.copy_(mean)
+                        else:
+                            item.grad.neg_().add_(mean)
                 if last:  # the step is closed before anyone waiting on it wakes up
                     engine.end_step()
                 for done, _ in finished:
@@ -359,6 +420,14 @@ class DelayedAveraging:
                 f"pending (delay={self._delay}): the weights are not yet the agreed ones. "
                 "Call flush() first (on every rank), then save or load model and optimizer."
             )
+
+
+def _closed_form(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s step is linear in the gradient, so a late average can be
+    corrected in closed form: SGD, plain or with heavy-ball momentum."""
+    return isinstance(optimizer, torch.optim.SGD) and not (
+        group.get("nesterov", False) or group.get("dampening", 0.0)
+    )
 
 
 def _exact_momentum(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float:
