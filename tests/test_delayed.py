@@ -507,3 +507,22 @@ def test_the_optimizer_benchmark_finds_ranks_on_one_consensus(tmp_path) -> None:
     assert all(spread == 0 for _, spread in delayed["spread_after_flush"])
     assert len(set(delayed["accuracy_per_rank"])) == 1
     assert delayed["distance_from_first_run"] > 1e-3
+
+
+def test_the_replay_cost_script_times_each_delay() -> None:
+    script = Path(__file__).resolve().parents[1] / "bench" / "replay_cost.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--task", "digits", "--delays", "1,3", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    times = re.findall(r"^(Adam step|replayed step, D = \d): ([\d.]+) ms$", done.stdout, re.M)
+    assert [name for name, _ in times] == [
+        "Adam step",
+        "replayed step, D = 1",
+        "replayed step, D = 3",
+    ]
+    assert all(float(ms) > 0 for _, ms in times)

@@ -87,8 +87,8 @@ class DelayedAveraging:
     that steps on the averaged gradients only, and rebuilds its own weights every step as
     the consensus plus its last D local steps replayed (:mod:`thinwire.dp.replay`). After
     :meth:`flush` every rank holds the consensus: the same weights and optimizer state.
-    This costs a copy of the weights and of the optimizer state, and D + 1 optimizer steps
-    per training step.
+    This costs a copy of the weights and of the optimizer state, one of each pending
+    step's gradients, and D + 1 optimizer steps per training step.
 
     Args:
         optimizer: the local optimizer over the model's parameters.

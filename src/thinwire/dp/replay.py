@@ -17,7 +17,9 @@ same inputs, same operations); a rank's own weights are the consensus plus its l
 steps, and after a flush they are the consensus. This is the synchronous optimizer run on
 the averaged gradients, each of which was computed on weights D steps ahead of it. The
 cost: one copy of the weights and of the optimizer's state, and D + 1 optimizer steps
-per training step instead of one.
+per training step instead of one (on the fashion ResNet-18, 2.8 M parameters, one CPU
+thread: 54-63 ms for D = 1 against Adam's own 24 ms, 125-148 ms for D = 4;
+``bench/replay_cost.py``).
 """
 
 from __future__ import annotations
