@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -26,6 +28,7 @@ from thinwire.sparse import (
     load_full_optimizer_state_dict,
     shard_embeddings,
 )
+from thinwire.sparse.embedding import initial_shard
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -461,3 +464,41 @@ def test_conversion_keeps_the_table_and_refuses_ties_and_padding(pool2) -> None:
         assert "shares its weight with output.weight" in message and "untie" in message
     for message in pool2.run(_convert, "padding"):
         assert "padding_idx" in message and "leave this embedding dense" in message
+
+
+# -- a shard drawn without the whole table ---------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    dim=st.integers(1, 40),
+    world=st.integers(1, 6),
+    chunk_rows=st.sampled_from([16, 32, 48, 160]),
+    seed=st.integers(0, 50),
+)
+def test_a_shard_drawn_in_pieces_is_the_whole_tables_rows(
+    rows: int, dim: int, world: int, chunk_rows: int, seed: int
+) -> None:
+    full = torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed))
+    for rank in range(world):
+        shard = initial_shard(rows, dim, seed, rank, world, chunk_rows)
+        assert torch.equal(shard, full[rank::world]), f"rank {rank} of {world}"
+
+
+def test_no_piece_of_a_large_table_is_drawn_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 200 000 x 64 table (51 MB) for 8 ranks: no draw larger than one piece, and the
+    shard alone is kept."""
+    drawn: list[int] = []
+    randn = torch.randn
+
+    def counting(*size: Any, **kwargs: Any) -> torch.Tensor:
+        drawn.append(size[0])
+        return randn(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", counting)
+    shard = initial_shard(200_000, 64, seed=1, rank=3, world=8, chunk_rows=4096)
+    assert shard.shape == (25_000, 64)
+    assert max(drawn) <= 4096 + 1 and sum(drawn) == 200_000
+    with pytest.raises(ValueError, match="multiple of 16"):
+        initial_shard(10, 4, seed=0, rank=0, world=1, chunk_rows=100)

@@ -102,6 +102,44 @@ def check_table(num_embeddings: int, embedding_dim: int) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+#: rows drawn per call while a shard is initialised (a multiple of 16: see ``initial_shard``)
+INIT_CHUNK_ROWS = 1 << 14
+
+
+def initial_shard(
+    num_embeddings: int,
+    embedding_dim: int,
+    seed: int,
+    rank: int,
+    world: int,
+    chunk_rows: int = INIT_CHUNK_ROWS,
+) -> Tensor:
+    """Rows ``rank, rank + world, ...`` of ``torch.randn(num_embeddings, embedding_dim)``
+    drawn with ``seed``, without ever holding the whole table: it is drawn ``chunk_rows``
+    rows at a time from one generator, keeping this rank's rows of each chunk.
+
+    The values are the whole table's: torch's CPU generator fills a tensor 16 numbers at
+    a time (redrawing the last 16 if the size is not a multiple), so drawing it in pieces
+    whose sizes are multiples of 16, the last one at least 16 numbers, gives the same
+    stream. ``chunk_rows`` must be a positive multiple of 16.
+    """
+    if chunk_rows <= 0 or chunk_rows % 16:
+        raise ValueError(f"chunk_rows must be a positive multiple of 16, got {chunk_rows}")
+    generator = torch.Generator().manual_seed(seed)
+    shard = torch.empty(len(range(rank, num_embeddings, world)), embedding_dim)
+    start, kept = 0, 0
+    while start < num_embeddings:
+        end = min(start + chunk_rows, num_embeddings)
+        if (num_embeddings - end) * embedding_dim < 16:  # no short last piece
+            end = num_embeddings
+        chunk = torch.randn(end - start, embedding_dim, generator=generator)
+        mine = chunk[(rank - start) % world :: world]
+        shard[kept : kept + len(mine)] = mine
+        kept += len(mine)
+        start = end
+    return shard
+
+
 def check_ids(ids: Tensor, num_embeddings: int) -> Tensor:
     """``ids`` flattened to int64, or an error naming what is wrong with them."""
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
@@ -126,7 +164,8 @@ class ShardedEmbedding(nn.Module):
         group: the data-parallel process group (default: the global one).
         seed: the full table is drawn from N(0, 1) with this seed, as ``nn.Embedding``
             initialises, and each rank keeps its rows (so any world size starts from the
-            same table).
+            same table); it is drawn in pieces (:func:`initial_shard`), so no rank ever
+            holds more than its shard and one piece, however large the table.
         sparse_grad: give ``weight`` a sparse gradient (rows touched by any rank only), for
             ``torch.optim.SparseAdam`` or sparse-aware SGD; default: a dense gradient, for
             any optimizer (untouched rows get zero gradient, as in ``nn.Embedding``).
@@ -167,10 +206,9 @@ class ShardedEmbedding(nn.Module):
             self._prefetch_group = sibling_group(group)
         else:
             self._lookup_group = self._prefetch_group = group
-        full = torch.randn(
-            num_embeddings, embedding_dim, generator=torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(
+            initial_shard(num_embeddings, embedding_dim, seed, self.rank, self.world)
         )
-        self.weight = nn.Parameter(full[self.rank :: self.world].clone())
         self.traffic = SparseTraffic()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._pending: tuple[Tensor, Future[Route]] | None = None
