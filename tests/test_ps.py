@@ -4,6 +4,7 @@ clear error instead of a hang."""
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -208,6 +209,106 @@ def test_asynchronous_pushes_are_each_applied_as_one_scaled_sgd_step(pool2) -> N
     # lr * g_i / 2: plain SGD makes that the same as one step on the mean
     expected = _reference(2, 1, momentum=0.0)
     np.testing.assert_allclose(results[1]["weights"], expected, rtol=1e-5, atol=1e-6)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def _server(model: nn.Module, run: Run, world: int) -> thinwire.ParameterServer:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=run.momentum)
+    return thinwire.ParameterServer(
+        sgd,
+        model,
+        run.compressor,
+        mode=run.mode,
+        servers=min(run.servers, world),
+        colocated=run.colocated,
+        staleness=run.staleness,
+        **run.options,
+    )
+
+
+def _steps(ps: thinwire.ParameterServer, model: nn.Module, steps: range) -> None:
+    for step in steps:
+        x, y = _batch(ps.worker_index, step)
+        ps.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        ps.step()
+
+
+def checkpoint_and_resume(rank: int, world: int, run: Run) -> dict[str, Any]:
+    """Three steps, a checkpoint, three more, in one job; then a second server, loaded
+    from the checkpoint, takes the same three steps."""
+    model = _model()
+    ps = _server(model, run, world)
+    _steps(ps, model, range(3))
+    checkpoint = copy.deepcopy({"ps": ps.state_dict(), "model": model.state_dict()})
+    at_checkpoint = _flat(model)
+    _steps(ps, model, range(3, 6))
+    ps.close()
+    resumed_model = _model()
+    resumed = _server(resumed_model, run, world)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed.load_state_dict(checkpoint["ps"])
+    _steps(resumed, resumed_model, range(3, 6))
+    resumed.close()
+    out: dict[str, Any] = {
+        "at_checkpoint": at_checkpoint,
+        "straight": _flat(model),
+        "resumed": _flat(resumed_model),
+    }
+    if resumed.server is not None:
+        out["snapshot_version"] = checkpoint["ps"]["server"]["version"]
+        out["applied"] = list(resumed.server.applied)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("compressor", "options"),
+    [("none", {}), ("powersgd", {"rank": 1}), ("topk", {"density": 0.3})],
+)
+def test_a_synchronous_checkpoint_resumes_exactly(pool, compressor: str, options: dict) -> None:
+    """Momentum on the shards, error feedback and PowerSGD's warm start on the workers,
+    and PowerSGD's state on the shards all travel in the checkpoint: the resumed job ends
+    on the same weights, bit for bit."""
+    run = Run(servers=2, compressor=compressor, options=options)
+    results = pool.run(checkpoint_and_resume, run)
+    for result in results:
+        np.testing.assert_array_equal(result["resumed"], result["straight"])
+        assert np.abs(result["straight"] - result["at_checkpoint"]).max() > 1e-3
+
+
+def test_an_asynchronous_checkpoint_is_a_barrier_and_resumes_the_clocks(pool4) -> None:
+    """Every worker leaves the checkpoint with the saved weights; the resumed job numbers
+    its steps from there and applies every push on top of the saved version."""
+    run = Run(mode="async", staleness=1, servers=2)
+    results = pool4.run(checkpoint_and_resume, run)
+    for result in results[1:]:
+        np.testing.assert_array_equal(result["at_checkpoint"], results[0]["at_checkpoint"])
+    for server in (r for r in results if "applied" in r):
+        applied = server["applied"]
+        assert sorted(a.step for a in applied) == sorted(list(range(3, 6)) * 4)
+        assert [a.applied_at for a in applied] == [
+            server["snapshot_version"] + i + 1 for i in range(len(applied))
+        ]
+        assert np.isfinite(server["resumed"]).all()
+
+
+def _dedicated_checkpoint(rank: int, world: int) -> str:
+    model = _model()
+    ps = _server(model, Run(colocated=False), world)
+    try:
+        ps.state_dict()
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    ps.close()
+    return message
+
+
+def test_a_checkpoint_with_dedicated_servers_is_refused_with_what_to_do(pool2) -> None:
+    for message in pool2.run(_dedicated_checkpoint):
+        assert "needs colocated servers" in message and "colocated=True" in message
 
 
 def test_shards_are_balanced_and_deterministic() -> None:

@@ -7,6 +7,9 @@
             loss_fn(model(x), y).backward(); ps.step(); ps.zero_grad()
     ps.close()          # every rank; a dedicated server rank serves until the workers close
 
+    state = ps.state_dict()          # every rank, at the same step: a checkpoint
+    ps.load_state_dict(state)        # in a new job, right after building the server
+
 Ranks ``0 .. servers-1`` each own one shard of the parameters (balanced by size). With
 ``colocated=True`` (the default) every rank is a worker and the server ranks run their
 shard in a background thread; with ``colocated=False`` the server ranks only serve and the
@@ -31,7 +34,7 @@ from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
 from thinwire.ps.channels import TO_SERVER, TO_WORKER, Channel, LocalPair, ProcessChannel
 from thinwire.ps.links import ServerLink
-from thinwire.ps.server import ANSWER, CLOSE, FINE, PUSH, ShardServer
+from thinwire.ps.server import ANSWER, CLOSE, FINE, PUSH, SNAPSHOT, ShardServer
 from thinwire.ps.sharding import assign_shards
 
 MODES = ("sync", "async")
@@ -108,6 +111,7 @@ class ParameterServer:
         self.mode, self.staleness, self.servers = mode, staleness, servers
         self.optimizer = optimizer
         self.rank, self.world = rank, world
+        self.colocated = colocated
         self.first_worker = 0 if colocated else servers
         self.workers = world - self.first_worker
         self.is_server = rank < servers
@@ -270,6 +274,78 @@ class ParameterServer:
             for p in shard:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of this rank's part: its step, the version it holds of each shard,
+        its exchange state (error feedback, warm starts) and, on a server rank, its shard's
+        parameters, optimizer state and exchange state. Save the model's ``state_dict()``
+        beside it.
+
+        Collective: every rank calls it after the same number of steps. It is a barrier:
+        each shard waits until every worker has asked, copies its state, and answers with
+        its parameters, so every worker leaves with the weights that were saved (in
+        asynchronous mode too). Servers that are ranks of their own (``colocated=False``)
+        cannot take part, since they only serve: checkpoints need colocated servers.
+        """
+        self._check_usable()
+        if not self.colocated:
+            raise RuntimeError(
+                "ParameterServer.state_dict() needs colocated servers (the default): a "
+                "dedicated server rank (colocated=False) only serves and cannot save its "
+                "shard. Build it with colocated=True to take checkpoints"
+            )
+        if self._closed:
+            raise RuntimeError("ParameterServer.state_dict() after close(): take it before")
+        for server_rank, link in enumerate(self._links):
+            header = torch.tensor(
+                [SNAPSHOT, self.step_count, self._versions[server_rank], 0], dtype=torch.float64
+            )
+            link.channel.send(header).wait()
+        for server_rank, link in enumerate(self._links):
+            self._pull(server_rank, link)
+        self._check_usable()
+        state: dict[str, Any] = {
+            "step": self.step_count,
+            "versions": list(self._versions),
+            "engines": [engine.state_dict() for engine in self._engines],
+        }
+        if self.server is not None:  # its snapshot was taken before it answered us
+            state["server"] = self.server.snapshot
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned on this rank, right after building the
+        server and before the first step (every rank; load the model's weights too)."""
+        if not self.colocated:
+            raise RuntimeError(
+                "ParameterServer.load_state_dict() needs colocated servers (the default), as "
+                "state_dict() does"
+            )
+        expected = {"step", "versions", "engines"} | ({"server"} if self.is_server else set())
+        if not isinstance(state, dict) or not expected <= set(state):
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"not a ParameterServer checkpoint of this rank: expected keys "
+                f"{sorted(expected)}, got {found}; load each rank's own state_dict()"
+            )
+        if len(state["versions"]) != self.servers or len(state["engines"]) != len(self._engines):
+            raise ValueError(
+                f"this checkpoint was taken with {len(state['versions'])} server shard(s), "
+                f"this server has {self.servers}: resume with the same servers and ranks"
+            )
+        if self.step_count:
+            raise RuntimeError(
+                f"ParameterServer.load_state_dict() after {self.step_count} step(s): load "
+                "the checkpoint right after building the server, on every rank"
+            )
+        self.step_count = int(state["step"])
+        self._versions = [int(v) for v in state["versions"]]
+        for engine, saved in zip(self._engines, state["engines"], strict=True):
+            engine.load_state_dict(saved)
+        if self.server is not None:  # its thread waits for the first push: nothing runs
+            self.server.restore(state["server"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients."""

@@ -2,10 +2,15 @@
 parameters.
 
 Messages (per worker, on its channel): a push is a header ``float64[4] = [kind, step,
-version, lr_factor]`` (kind 0: push, 1: the worker is done) followed by the compressor's
-round messages (see :mod:`thinwire.ps.links`); the answer is ``float64[2] = [status,
-version]`` followed by the shard's parameters as one fp32 vector (status 0: fine, 1: a
-non-finite gradient was pushed and nothing was applied).
+version, lr_factor]`` (kind 0: push, 1: the worker is done, 2: a checkpoint) followed, for
+a push, by the compressor's round messages (see :mod:`thinwire.ps.links`); the answer is
+``float64[2] = [status, version]`` followed by the shard's parameters as one fp32 vector
+(status 0: fine, 1: a non-finite gradient was pushed and nothing was applied).
+
+A checkpoint is a barrier: once every running worker has asked for one at the same step
+(each after its previous push was answered, so every push before it is applied), the
+shard copies its state into :attr:`ShardServer.snapshot` and answers each of them with the
+parameters, so all resume from the weights that were saved.
 
 Synchronous mode takes one push from every worker, averages them and steps once: the
 same update as all-reduce SGD. Asynchronous mode applies each push on its own, as it
@@ -18,6 +23,7 @@ ahead of the slowest worker still running (stale synchronous parallel). Both kee
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from collections.abc import Sequence
@@ -34,7 +40,7 @@ from thinwire.errors import NonFiniteGradientError, RankMismatchError
 from thinwire.ps.channels import Channel
 from thinwire.ps.links import WorkerFanIn
 
-PUSH, CLOSE = 0, 1
+PUSH, CLOSE, SNAPSHOT = 0, 1, 2
 FINE, POISONED = 0, 1
 HEADER, ANSWER = 4, 2
 
@@ -104,6 +110,10 @@ class ShardServer:
         self.version = 0
         self.applied: list[Applied] = []
         self.released: list[Released] = []
+        #: the state taken at the last checkpoint (see :meth:`state`)
+        self.snapshot: dict[str, Any] | None = None
+        #: asynchronous mode: each worker's clock (the step it computes next)
+        self.clocks = [0] * self.workers
         self._zeros = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
 
     # -- serving ------------------------------------------------------------------------
@@ -124,12 +134,16 @@ class ShardServer:
             if kinds == {CLOSE}:
                 return
             steps = {int(h[1]) for h in headers}
-            if kinds != {PUSH} or len(steps) != 1:
+            if len(kinds) != 1 or CLOSE in kinds or len(steps) != 1:
                 raise RankMismatchError(
                     "synchronous parameter server: the workers are out of step (steps "
-                    f"{sorted(int(h[1]) for h in headers)}, some done: {CLOSE in kinds}); "
-                    "every worker must call step() the same number of times, then close()"
+                    f"{sorted(int(h[1]) for h in headers)}, some done: {CLOSE in kinds}, "
+                    f"some checkpointing: {SNAPSHOT in kinds}); every worker must call step() "
+                    "the same number of times, state_dict() at the same step, then close()"
                 )
+            if kinds == {SNAPSHOT}:
+                self._checkpoint(range(self.workers), steps.pop())
+                continue
             self.fan_in.active = list(range(self.workers))
             self._apply(steps.pop(), float(headers[0][3]), scale=1.0)
             for worker, header in enumerate(headers):
@@ -147,15 +161,18 @@ class ShardServer:
                 name=f"thinwire-ps-headers-{worker}",
                 daemon=True,
             ).start()
-        clocks = [0] * self.workers
+        clocks = self.clocks  # a restored checkpoint sets them before the first push
         running = set(range(self.workers))
         held: set[int] = set()
+        checkpointing: dict[int, int] = {}  # worker -> the step it checkpoints at
         while running:
             worker, header = arrivals.get()
             if isinstance(header, BaseException):
                 raise header
             if int(header[0]) == CLOSE:
                 running.discard(worker)
+            elif int(header[0]) == SNAPSHOT:
+                checkpointing[worker] = int(header[1])
             else:
                 step = int(header[1])
                 self.fan_in.active = [worker]
@@ -164,6 +181,16 @@ class ShardServer:
                 clocks[worker] = step + 1
                 held.add(worker)
             resume[worker].release()  # the next header may be read
+            if checkpointing and running <= set(checkpointing):
+                if len(set(checkpointing.values())) != 1:
+                    raise RankMismatchError(
+                        "asynchronous parameter server: the workers asked for a checkpoint "
+                        f"at different steps ({dict(sorted(checkpointing.items()))}, worker: "
+                        "step); every worker must call state_dict() after the same number "
+                        "of steps"
+                    )
+                self._checkpoint(sorted(checkpointing), next(iter(checkpointing.values())))
+                checkpointing.clear()
             slowest = min((clocks[w] for w in running), default=max(clocks))
             for waiting in sorted(held):
                 if clocks[waiting] - slowest <= self.staleness:
@@ -221,10 +248,38 @@ class ShardServer:
         answer = torch.tensor([status, self.version], dtype=torch.float64)
         self.channels[worker].send(answer).wait()
 
+    def _checkpoint(self, workers: Sequence[int] | range, step: int) -> None:
+        """Copy the shard's state into :attr:`snapshot`, then answer ``workers``."""
+        self.snapshot = {**self.state(), "step": step}
+        for worker in workers:
+            self._answer(worker, next_step=step, slowest=-1)
+
     def state(self) -> dict[str, Any]:
-        """The shard's parameters and optimizer state (for checkpoints and tests)."""
-        return {
-            "params": dict(zip(self.names, (p.detach().clone() for p in self.params), strict=True)),
-            "optimizer": self.optimizer.state_dict(),
-            "version": self.version,
-        }
+        """A copy of the shard's parameters, optimizer state, version and exchange state
+        (the compressor's, which decodes the workers' payloads)."""
+        return copy.deepcopy(
+            {
+                "names": list(self.names),
+                "params": [p.detach() for p in self.params],
+                "optimizer": self.optimizer.state_dict(),
+                "version": self.version,
+                "engine": self.engine.state_dict(),
+            }
+        )
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state` returned (the shard must have the same parameters).
+        Only while no worker pushes (right after construction)."""
+        if list(state.get("names", [])) != self.names:
+            raise ValueError(
+                "this checkpoint's server shard holds other parameters "
+                f"({list(state.get('names', []))[:3]}... against {self.names[:3]}...): load "
+                "it into a ParameterServer built with the same model, servers and ranks"
+            )
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.engine.load_state_dict(state["engine"])
+        self.clocks[:] = [int(state.get("step", 0))] * self.workers
