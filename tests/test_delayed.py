@@ -47,7 +47,9 @@ class Run:
     lanes: int = 1
     momentum: float = 0.0
     fuse_rounds: bool = True
-    optimizer: str = "sgd"  # or "adam", "nesterov": no closed-form correction (replayed)
+    optimizer: str = "sgd"  # or "adam", "nesterov", "maximize": no closed form (replayed)
+    subset: bool = False  # average only the first layer; the optimizer steps every layer
+    tensor_lr: bool = False  # the learning rate is a tensor, updated in place
 
 
 def _model() -> nn.Module:
@@ -61,9 +63,12 @@ def _flat(tensors) -> np.ndarray:
 
 def _optimizer(run: Run, params) -> torch.optim.Optimizer:
     if run.optimizer == "adam":
-        return torch.optim.Adam(params, lr=SCHEDULE[0] / 10)
+        lr = torch.tensor(SCHEDULE[0] / 10) if run.tensor_lr else SCHEDULE[0] / 10
+        return torch.optim.Adam(params, lr=lr)
     if run.optimizer == "nesterov":
         return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=0.9, nesterov=True)
+    if run.optimizer == "maximize":
+        return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=0.9, maximize=True)
     return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=run.momentum)
 
 
@@ -83,15 +88,16 @@ def train(rank: int, world: int, run: Run) -> dict:
     after ``flush()`` and what was pending."""
     model = _model()
     sgd = _optimizer(run, model.parameters())
-    scale = sgd.param_groups[0]["lr"] / SCHEDULE[0]
+    scale = float(sgd.param_groups[0]["lr"]) / SCHEDULE[0]
+    averaged: Any = list(model.named_parameters())[:2] if run.subset else model
     if run.front_end == "sync":
         opt = thinwire.DistributedOptimizer(
-            sgd, model, run.compressor, bucket_cap_mb=BUCKET_MB, **run.options
+            sgd, averaged, run.compressor, bucket_cap_mb=BUCKET_MB, **run.options
         )
     else:
         opt = thinwire.DelayedAveraging(
             sgd,
-            model,
+            averaged,
             run.compressor,
             delay=run.delay,
             lanes=run.lanes,
@@ -103,7 +109,10 @@ def train(rank: int, world: int, run: Run) -> dict:
     for step in range(run.steps):
         lr = SCHEDULE[step % len(SCHEDULE)] * scale
         for group in opt.param_groups:
-            group["lr"] = lr
+            if run.tensor_lr:
+                group["lr"].fill_(lr)  # as torch's schedulers update a tensor rate
+            else:
+                group["lr"] = lr
         data = torch.Generator().manual_seed(1000 * step + (0 if run.same_data else rank + 1))
         x, y = torch.randn(5, 6, generator=data), torch.randn(5, 3, generator=data)
         opt.zero_grad()
@@ -259,16 +268,14 @@ def test_ranks_agree_on_everything_older_than_the_delay(pool, delay: int) -> Non
         np.testing.assert_allclose(record["final"], records[0]["final"], rtol=0, atol=1e-6)
 
 
-def _adam_on_averages(records: list[dict]) -> np.ndarray:
-    """Adam from w_0 on the ranks' average gradient of every step, with that step's
-    learning rate: what synchronous training on those gradients ends at."""
+def _adam_on(grads: list[np.ndarray], lrs: list[float]) -> np.ndarray:
+    """Adam from w_0 on ``grads`` in turn, each with its step's learning rate."""
     model = _model()
     adam = torch.optim.Adam(model.parameters())
-    for step, lr in enumerate(records[0]["lrs"]):
-        average = sum(r["grads"][step] for r in records) / len(records)
+    for grad, lr in zip(grads, lrs, strict=True):
         offset = 0
         for p in model.parameters():
-            p.grad = torch.from_numpy(average[offset : offset + p.numel()]).view_as(p).clone()
+            p.grad = torch.from_numpy(grad[offset : offset + p.numel()]).view_as(p).clone()
             offset += p.numel()
         adam.param_groups[0]["lr"] = lr
         adam.step()
@@ -277,22 +284,49 @@ def _adam_on_averages(records: list[dict]) -> np.ndarray:
 
 @pytest.mark.parametrize("delay", [1, 3])
 def test_adam_is_replayed_on_the_consensus_so_ranks_agree_after_flush(pool, delay: int) -> None:
-    """Adam has no closed-form correction: each rank rebuilds its weights from the
-    consensus (Adam on the averages alone), so after flush() all hold Adam's result on the
-    average gradients, with the same moments, although they differed before it."""
+    """Adam has no closed-form correction: each rank holds the consensus (Adam on the
+    averages alone) plus its own last D steps, and after flush() the consensus itself,
+    the same weights and moments on every rank."""
     records = pool.run(train, Run(delay=delay, optimizer="adam"))
-    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
-    expected = _adam_on_averages(records)
+    steps, lrs = len(SCHEDULE), records[0]["lrs"]
+    averages = [sum(r["grads"][s] for r in records) / len(records) for s in range(steps)]
+    expected = _adam_on(averages, lrs)
     for record in records:
         np.testing.assert_allclose(record["final"], expected, rtol=0, atol=2e-6)
         np.testing.assert_array_equal(record["final"], records[0]["final"])
         np.testing.assert_array_equal(record["state"], records[0]["state"])
-    # before the flush, each rank's weights are the consensus plus its own last D steps:
-    # at the step before the last, every rank's consensus is Adam on the averages so far
-    trimmed = [{**r, "grads": r["grads"][:-delay], "lrs": r["lrs"][:-delay]} for r in records]
-    agreed = _adam_on_averages(trimmed)
-    for record in records:
-        assert not np.allclose(record["weights"][-1], agreed, atol=1e-4)  # its own steps
+    # before the flush: the averages of all but the last D steps, then this rank's own
+    for rank, record in enumerate(records):
+        own = averages[: steps - delay] + record["grads"][steps - delay :]
+        np.testing.assert_allclose(
+            record["weights"][-1], _adam_on(own, lrs), rtol=0, atol=2e-6, err_msg=f"rank {rank}"
+        )
+    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        Run(delay=2, same_data=True, optimizer="adam", subset=True),
+        Run(delay=2, same_data=True, optimizer="adam", tensor_lr=True),
+    ],
+    ids=["a-layer-not-averaged", "a-tensor-learning-rate"],
+)
+def test_replay_keeps_local_parameters_and_in_place_schedules(pool2, run: Run) -> None:
+    """A parameter the optimizer steps but the model argument leaves out trains on its own
+    gradient, as under DistributedOptimizer; a tensor learning rate that a scheduler
+    updates in place is replayed with each step's value."""
+    for sync, delayed in pool2.run(sync_and_delayed, run):
+        for a, b in zip(sync["weights"], delayed["weights"], strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(delayed["final"], sync["final"], rtol=0, atol=1e-6)
+        assert np.abs(sync["final"] - sync["w0"]).max() > 1e-3
+
+
+def test_maximizing_sgd_is_replayed_so_ranks_agree_after_flush(pool2) -> None:
+    records = pool2.run(train, Run(delay=1, optimizer="maximize"))
+    np.testing.assert_allclose(records[1]["final"], records[0]["final"], rtol=0, atol=1e-6)
+    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "nesterov"])
@@ -526,3 +560,13 @@ def test_the_replay_cost_script_times_each_delay() -> None:
         "replayed step, D = 3",
     ]
     assert all(float(ms) > 0 for _, ms in times)
+
+
+def test_a_parameter_group_added_after_construction_is_refused_with_what_to_do() -> None:
+    model = _model()
+    adam = torch.optim.Adam(model[0].parameters())
+    replay = ConsensusReplay(adam)
+    replay.check_unchanged()
+    adam.add_param_group({"params": list(model[2].parameters())})
+    with pytest.raises(ValueError, match=r"build DelayedAveraging after add_param_group\(\)"):
+        replay.check_unchanged()

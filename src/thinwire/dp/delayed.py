@@ -88,7 +88,10 @@ class DelayedAveraging:
     the consensus plus its last D local steps replayed (:mod:`thinwire.dp.replay`). After
     :meth:`flush` every rank holds the consensus: the same weights and optimizer state.
     This costs a copy of the weights and of the optimizer state, one of each pending
-    step's gradients, and D + 1 optimizer steps per training step.
+    step's gradients, and D + 1 optimizer steps per training step; and the weights are
+    rebuilt at every step, so edits made to them outside the optimizer (weight clipping)
+    are undone, and step hooks run D + 1 times. Parameters the optimizer steps but
+    ``model`` leaves out are not averaged: their own gradients stand for the average.
 
     Args:
         optimizer: the local optimizer over the model's parameters.
@@ -260,6 +263,7 @@ class DelayedAveraging:
         """Without a closed-form correction: advance the consensus by every average that is
         due, then rebuild this rank's weights as the consensus plus its pending own steps
         (just the local step if no average was due)."""
+        replay.check_unchanged()
         if not self._pending:  # the weights are agreed (start, flush, a loaded checkpoint)
             replay.adopt_live()
         self._pending.append(self._start_exchange())
@@ -272,8 +276,10 @@ class DelayedAveraging:
         replay.rebuild([(pending.own or {}, pending.hyper or []) for pending in self._pending])
 
     def _averages(self, pending: _Pending) -> dict[int, Tensor]:
-        """Wait for one step's exchange: its averaged gradients by parameter id."""
-        averages = {}
+        """Wait for one step's exchange: its averaged gradients by parameter id; a
+        parameter that is not averaged (the optimizer has it, ``model`` does not) keeps
+        this rank's own gradient, as in ``DistributedOptimizer``."""
+        averages = dict(pending.own or {})
         for bucket, means, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
@@ -426,7 +432,7 @@ def _closed_form(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> boo
     """Whether ``group``'s step is linear in the gradient, so a late average can be
     corrected in closed form: SGD, plain or with heavy-ball momentum."""
     return isinstance(optimizer, torch.optim.SGD) and not (
-        group.get("nesterov", False) or group.get("dampening", 0.0)
+        group.get("nesterov", False) or group.get("dampening", 0.0) or group.get("maximize", False)
     )
 
 

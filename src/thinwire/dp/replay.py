@@ -25,6 +25,7 @@ thread: 54-63 ms for D = 1 against Adam's own 24 ms, 125-148 ms for D = 4;
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -35,14 +36,21 @@ Hyper = list[dict[str, Any]]
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> Hyper:
-    """Every parameter group's settings as they are now (what a step will use)."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    """Every parameter group's settings as they are now (what a step will use); tensor
+    settings are copied, since schedulers update a tensor learning rate in place."""
+    return [
+        {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in group.items()}
+        for group in ({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
+    ]
 
 
 class ConsensusReplay:
     """A second instance of ``optimizer``'s class over copies of its parameters: the
     consensus, stepped on averaged gradients only; and the replay of a rank's own recent
-    steps on top of it (see the module doc).
+    steps on top of it (see the module doc). The live weights are rebuilt at every step:
+    a change made to them outside the optimizer while steps are pending (clipping the
+    weights, a projection) is undone, and the optimizer's step hooks (and a scheduler's
+    count of its steps) see D + 1 steps per training step.
 
     Raises:
         TypeError: the optimizer's class cannot be built again from its parameter groups
@@ -52,6 +60,7 @@ class ConsensusReplay:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.live = [p for group in optimizer.param_groups for p in group["params"]]
+        self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]
         self.copies = [p.detach().clone() for p in self.live]
         groups, start = [], 0
         for group, hyper in zip(optimizer.param_groups, hyperparameters(optimizer), strict=True):
@@ -67,6 +76,18 @@ class ConsensusReplay:
                 f"from the parameter groups failed ({error}). Use an optimizer whose "
                 "constructor takes its parameter groups alone (every torch.optim one does)."
             ) from error
+
+    def check_unchanged(self) -> None:
+        """Refuse parameter groups added or changed since construction (the consensus
+        would not step them)."""
+        sizes = [len(group["params"]) for group in self.optimizer.param_groups]
+        if sizes != self.group_sizes:
+            raise ValueError(
+                f"the optimizer's parameter groups changed (parameters per group: "
+                f"{self.group_sizes} at construction, {sizes} now), but DelayedAveraging "
+                "keeps its consensus over the parameters it was built with: build "
+                "DelayedAveraging after add_param_group()"
+            )
 
     def adopt_live(self) -> None:
         """Make the consensus what the live weights and state are now (at the start, and
@@ -105,8 +126,16 @@ class ConsensusReplay:
 
 
 def _set_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Hyper) -> None:
+    """Give ``optimizer``'s groups the settings ``hyper`` (a tensor setting is copied into
+    the group's own tensor, which a scheduler may hold)."""
     for group, settings in zip(optimizer.param_groups, hyper, strict=True):
-        group.update(settings)
+        for key, value in settings.items():
+            held = group.get(key)
+            if isinstance(value, Tensor) and isinstance(held, Tensor) and held.shape == value.shape:
+                with torch.no_grad():
+                    held.copy_(value)
+            else:
+                group[key] = value
 
 
 def _copy_state(
@@ -133,7 +162,7 @@ def _copy_entry(state: dict[str, Any] | None, target: torch.optim.Optimizer, dst
     for key, value in state.items():
         held = copied.get(key)
         if not isinstance(value, Tensor):
-            copied[key] = value
+            copied[key] = deepcopy(value)
         elif (
             isinstance(held, Tensor)
             and held.shape == value.shape
