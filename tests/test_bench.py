@@ -257,6 +257,28 @@ def test_a_loopback_run_counts_its_own_bytes_while_the_machine_sends_others(
     assert record["bytes_sent_per_step"] == pytest.approx(_dense_ring_bytes(2), rel=0.1)
 
 
+def test_a_loopback_run_falls_back_to_the_machines_own_when_it_cannot_make_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+
+    import thinwire.bench.runner as runner
+
+    @contextlib.contextmanager
+    def refused():
+        raise RuntimeError("unshare: Operation not permitted")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(runner, "check_private_loopback", lambda: None)
+    monkeypatch.setattr(runner, "private_loopback", refused)
+    config = BenchConfig(
+        task="digits", methods=parse_methods("dense"), workers=2, steps=2, network="loopback"
+    )
+    (record,) = run_bench(config, tmp_path)
+    assert record["loopback_private"] is False
+    assert record["bytes_sent_per_step"] >= 0.95 * _dense_ring_bytes(2)
+
+
 def _drain(server: socket.socket) -> None:
     peer, _ = server.accept()
     with peer:

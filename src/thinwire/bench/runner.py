@@ -306,15 +306,20 @@ def _network(
 ) -> Iterator[tuple[Placement | None, str, dict[str, Any], Callable[[], None]]]:
     if config.network == "loopback":
         described = {"network": "loopback", "bandwidth": None, "latency": None}
-        reason = check_private_loopback()
-        if reason:
-            console.print(
-                f"loopback: the machine's own ({reason}), so its byte counts include "
-                "whatever else crosses it meanwhile"
-            )
-            yield None, "lo", {**described, "loopback_private": False}, _fine
-            return
-        with private_loopback() as namespace:
+        with contextlib.ExitStack() as stack:
+            namespace, reason = None, check_private_loopback()
+            if reason is None:
+                try:
+                    namespace = stack.enter_context(private_loopback())
+                except RuntimeError as error:
+                    reason = str(error)
+            if namespace is None:
+                console.print(
+                    f"loopback: the machine's own ({reason}), so its byte counts include "
+                    "whatever else crosses it meanwhile"
+                )
+                yield None, "lo", {**described, "loopback_private": False}, _fine
+                return
             console.print("loopback: a private network namespace, only this run's traffic")
             placement = Placement((namespace,) * config.workers, "127.0.0.1", "lo")
             yield placement, "lo", {**described, "loopback_private": True}, _fine
