@@ -94,16 +94,19 @@ def _lo_sent(namespace: str) -> int:
     raise AssertionError(f"no lo in {done.stdout!r}")
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
+def _holders(pid: int) -> list[int]:
+    """The children of ``pid`` that are a private loopback's holder (``sleep infinity``);
+    a process has other children too (multiprocessing's resource tracker)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
+                command = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == pid and command == b"sleep\x00infinity\x00":
                 found.append(int(entry))
     return found
 
@@ -121,7 +124,7 @@ def test_its_lo_counts_what_is_sent_inside_and_nothing_from_outside() -> None:
 @needs_root
 def test_it_is_gone_when_the_block_ends() -> None:
     with private_loopback() as namespace:
-        (holder,) = _children(os.getpid())
+        (holder,) = _holders(os.getpid())
         assert os.path.exists(namespace)
     assert not os.path.exists(namespace)
     assert not os.path.exists(f"/proc/{holder}")
@@ -139,7 +142,7 @@ def test_its_holder_dies_with_a_killed_owner() -> None:
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None
     pid = int(owner.stdout.readline())
-    (holder,) = _children(pid)
+    (holder,) = _holders(pid)
     assert owner.wait(timeout=30) == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:
