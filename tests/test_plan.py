@@ -35,6 +35,7 @@ from thinwire.plan import (
     profile_model,
     step_time,
 )
+from thinwire.plan.embedding import TableLookups, measure_lookups, table_traffic
 from thinwire.plan.methods import Kind
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -524,3 +525,112 @@ def test_plan_command_models_ddps_buckets_and_buffer_broadcast(tmp_path, capsys)
 def test_plan_command_rejects_bad_input(flags: list[str], message: str, capsys) -> None:
     assert main(["plan", "--task", "digits", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+# -- the embedding methods ---------------------------------------------------------------------
+
+
+class _Bag(nn.Module):
+    """A table of 12 rows x 5 and a head: the smallest model with a lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(12, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(dim=1))
+
+
+def test_lookups_count_distinct_ids_per_rank_and_per_owner_by_hand() -> None:
+    # 2 ranks, owner = id % 2; step 0: rank 0 looks up {0, 1, 2, 3} (ids repeated), rank 1
+    # {1, 3, 5}; step 1: rank 0 {4}, rank 1 {0, 2, 4, 6, 8, 10}
+    batches = [
+        [torch.tensor([[0, 1, 2, 3, 3, 0]]), torch.tensor([[1, 3, 5, 5, 5, 1]])],
+        [torch.tensor([[4, 4, 4, 4, 4, 4]]), torch.tensor([[0, 2, 4, 6, 8, 10]])],
+    ]
+    (table,) = measure_lookups(_Bag(), batches, world_size=2)
+    assert (table.name, table.rows, table.dim) == ("embedding.weight", 12, 5)
+    assert table.unique == pytest.approx((4 + 3 + 1 + 6) / 4)
+    assert table.largest == pytest.approx((4 + 6) / 2)
+    # ids owned by the other rank: at step 0 rank 0 needs {1, 3} from rank 1, rank 1 none
+    # (1, 3, 5 are its own); at step 1 rank 0 none, rank 1 all six (even: rank 0's)
+    assert table.per_peer == pytest.approx((2 + 0 + 0 + 6) / 4)
+    with pytest.raises(ValueError, match=r"no nn\.Embedding layers"):
+        measure_lookups(nn.Linear(3, 3), batches, world_size=2)
+
+
+def test_table_traffic_of_the_sharded_and_gathered_tables_by_hand() -> None:
+    table = TableLookups("e.weight", rows=1000, dim=16, unique=100.0, largest=120.0, per_peer=30.0)
+    sharded = table_traffic("emb-sharded", [table], {"prefetch": True})
+    # rows of 16 fp32 = 64 bytes: 30 rows and a status row to each peer, 30 row gradients
+    assert sharded.forward == (Collective(DIRECT, 31 * 64),)
+    assert sharded.backward == (Collective(DIRECT, 30 * 64),)
+    assert sharded.background == (Collective(DIRECT, 8), Collective(DIRECT, 30 * 8))
+    unfetched = table_traffic("emb-sharded", [table], {"prefetch": False})
+    assert unfetched.forward == (*sharded.background, *sharded.forward)
+    assert unfetched.background == ()
+    gathered = table_traffic("emb-allgather", [table], {})
+    assert gathered.forward == () and gathered.background == ()
+    # every rank's part padded to the largest: 120 x (8-byte id + 64-byte row)
+    assert gathered.backward == (Collective(ALLGATHER, 8), Collective(ALLGATHER, 120 * 72))
+
+
+def test_a_forward_lookup_lengthens_the_forward_pass_and_background_traffic_does_not() -> None:
+    link = bare(MBYTE_PER_S, latency_s=0.01)  # 1e5 bytes take 0.1 s
+    compute = ComputeTime(forward_s=1.0, backward_s=2.0, optimizer_s=0.5)
+    plain = one_bucket("x", ALLREDUCE, 1_000_000)  # 2 ranks: 2 steps of 0.01 s and 1 s
+    fetched = MethodCost(
+        "x",
+        plain.buckets,
+        forward_collectives=(Collective(DIRECT, 100_000),),  # 0.01 s + 0.1 s
+        background_collectives=(Collective(DIRECT, 50_000),),
+    )
+    assert step_time(compute, plain, link, 2) == pytest.approx(3.0 + 1.02 + 0.5)
+    assert step_time(compute, fetched, link, 2) == pytest.approx(0.11 + 3.0 + 1.02 + 0.5)
+    assert fetched.payload_bytes == plain.payload_bytes + 150_000
+    assert fetched.collectives == plain.collectives + 2
+    assert fetched.comm_time(2, link) == pytest.approx(plain.comm_time(2, link) + 0.11 + 0.06)
+
+
+def test_embedding_methods_send_the_tables_traffic_and_ddp_the_rest() -> None:
+    model = _Bag()
+    params = [(n, p.detach()) for n, p in model.named_parameters()]
+    table = TableLookups("embedding.weight", 12, 5, unique=6.0, largest=7.0, per_peer=2.0)
+    with pytest.raises(ValueError, match="profile it with its task"):
+        measure_method("emb-sharded", params, world_size=2)
+    dense = measure_method("dense", params[1:], world_size=2)  # the head alone
+    for method in ("emb-sharded", "emb-allgather"):
+        cost = measure_method(method, params, world_size=2, lookups=[table])
+        traffic = table_traffic(method, [table], {"prefetch": True})
+        assert cost.buckets[:-1] == dense.buckets
+        assert cost.buckets[-1].collectives == traffic.backward
+        assert cost.forward_collectives == traffic.forward
+        assert cost.dense_bytes == sum(p.numel() * 4 for _, p in params)
+    compressed = measure_method(
+        "emb-sharded",
+        params,
+        world_size=2,
+        options={"compressor": "fp16"},
+        lookups=[table],
+    )
+    assert compressed.buckets[0].collectives[0].nbytes == dense.payload_bytes // 2
+
+
+def test_the_packages_tasks_embedding_methods_are_profiled_from_its_batches() -> None:
+    from thinwire.plan.profile import profile_task
+    from thinwire.tasks import task
+
+    profile = profile_task(
+        task("packages", vocab_size=2048, batch_size=8),
+        {"dense": None, "emb-sharded": None, "emb-allgather": None},
+        world_size=4,
+        repeats=1,
+        method_repeats=1,
+    )
+    link = Link(100e6, 1e-3)
+    dense, sharded, gathered = (
+        profile.predict(m, link) for m in ("dense", "emb-sharded", "emb-allgather")
+    )
+    assert sharded.sent_bytes < gathered.sent_bytes < dense.sent_bytes / 4
+    assert sharded.step_s < dense.step_s

@@ -405,22 +405,26 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
     """Put the cost model's prediction beside each measured record (``predicted``), with
     compute calibrated to the measured ``local`` step (the same processes' compute)."""
     from thinwire.plan import Link, profile_model
+    from thinwire.plan.profile import task_lookups
     from thinwire.tasks import task as build_task
 
-    modelled = {m.name: m.options for m in config.methods if m.kind not in EMBEDDING_KINDS}
-    if not modelled:
-        return
+    modelled = {m.name: m.options for m in config.methods}
     task = build_task(config.task, seed=config.seed, **config.task_options)
-    buckets = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
+    model = task.build_model()
+    options: dict[str, Any] = {}
+    if config.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = config.bucket_cap_mb
+    if any(m.kind in EMBEDDING_KINDS for m in config.methods):
+        options["lookups"] = task_lookups(task, model, config.workers)
     profile = profile_model(
-        task.build_model(),
+        model,
         task.batch(0, config.workers, 0),
         task.loss,
         modelled,
         world_size=config.workers,
         fuse_rounds=config.fuse_rounds,
         broadcast_buffers=config.broadcast_buffers,
-        **buckets,
+        **options,
     )
     emulated = EmulatedCluster(config.workers, config.bandwidth, config.latency, tag="plan")
     if emulated.rate_bps is None:

@@ -41,6 +41,12 @@ have finished::
 
     step = max(forward + backward + compress_total,  end of the last collective) + optimizer
 
+A sharded embedding table fetches the rows a batch looks up during the forward pass, which
+waits for them: ``forward_collectives`` lengthen the forward pass; its row gradients are a
+bucket ready when the table's gradient is; the next batch's routing, prefetched on a
+thread of its own, is ``background_collectives``, counted in the bytes but not on the
+critical path (:mod:`thinwire.plan.embedding`).
+
 DDP with ``broadcast_buffers`` (its default) first broadcasts rank 0's buffers (batch-norm
 statistics, ``broadcast_bytes``) at the start of every forward pass, which waits for it:
 the whole timeline above starts that much later. gloo's broadcast sends the whole payload
@@ -223,16 +229,27 @@ class MethodCost:
     schedule: str = "ddp"
     #: bytes DDP broadcasts from rank 0 before every forward pass (its buffers; 0: none)
     broadcast_bytes: int = 0
+    #: collectives the forward pass waits for (a sharded embedding table's row lookups)
+    forward_collectives: tuple[Collective, ...] = ()
+    #: collectives that run beside the step, off its critical path (prefetched routing)
+    background_collectives: tuple[Collective, ...] = ()
+
+    def _all_collectives(self) -> list[Collective]:
+        return [
+            *self.forward_collectives,
+            *self.background_collectives,
+            *(c for b in self.buckets for c in b.collectives),
+        ]
 
     @property
     def payload_bytes(self) -> int:
         """Bytes this rank contributes to collectives per step."""
-        return sum(c.nbytes for b in self.buckets for c in b.collectives)
+        return sum(c.nbytes for c in self._all_collectives())
 
     @property
     def collectives(self) -> int:
         """Collectives per step (the buffer broadcast counts as one)."""
-        return sum(len(b.collectives) for b in self.buckets) + (self.broadcast_bytes > 0)
+        return len(self._all_collectives()) + (self.broadcast_bytes > 0)
 
     @property
     def compress_s(self) -> float:
@@ -249,13 +266,19 @@ class MethodCost:
         broadcast's N - 1 messages averaged over the N ranks)."""
         broadcast = (world_size - 1) / world_size * self.broadcast_bytes
         return broadcast + sum(
-            wire_bytes(c.kind, c.nbytes, world_size) for b in self.buckets for c in b.collectives
+            wire_bytes(c.kind, c.nbytes, world_size) for c in self._all_collectives()
         )
 
     def comm_time(self, world_size: int, link: Link) -> float:
         """Seconds of all collectives of a step, back to back (nothing overlapped)."""
         return broadcast_time(self.broadcast_bytes, world_size, link) + sum(
-            b.comm_time(world_size, link) for b in self.buckets
+            collective_time(c.kind, c.nbytes, world_size, link) for c in self._all_collectives()
+        )
+
+    def forward_comm_time(self, world_size: int, link: Link) -> float:
+        """Seconds the forward pass waits for its own collectives (table lookups)."""
+        return sum(
+            collective_time(c.kind, c.nbytes, world_size, link) for c in self.forward_collectives
         )
 
     def scaled(self, compress_factor: float) -> MethodCost:
@@ -352,7 +375,11 @@ def step_time(
         return delayed_step_time(compute, cost, link, world_size)
     if cost.schedule in ("ps-sync", "ps-async"):
         return server_step_time(compute, cost, link, world_size)
-    forward_end = broadcast_time(cost.broadcast_bytes, world_size, link) + compute.forward_s
+    forward_end = (
+        broadcast_time(cost.broadcast_bytes, world_size, link)
+        + compute.forward_s
+        + cost.forward_comm_time(world_size, link)
+    )
     backward_end = forward_end + compute.backward_s
     cpu_delay = 0.0  # compression done so far, which has pushed the backward pass back
     exchange_free = 0.0  # when the exchange thread (and the link) can take the next job

@@ -7,10 +7,11 @@
   order gradients become ready, the first one capped at 1 MiB, the others at 25 MiB).
 - :func:`measure_method`: per bucket, the collectives a method issues (kind and bytes)
   and the CPU time of its compression and decompression, on random gradients of the
-  model's real shapes. thinwire's methods run through thinwire's own exchange engine
-  (memory, protocols, rounds fused across buckets); PyTorch's hooks through a copy of
-  their tensor math. Gathered payloads are decoded ``world_size`` times, as every rank
-  decodes every rank's payload.
+  model's real shapes; for the embedding methods, also the tables' traffic, from the ids
+  the task's batches look up (:mod:`thinwire.plan.embedding`). thinwire's methods run
+  through thinwire's own exchange engine (memory, protocols, rounds fused across
+  buckets); PyTorch's hooks through a copy of their tensor math. Gathered payloads are
+  decoded ``world_size`` times, as every rank decodes every rank's payload.
 
 No ``torch.distributed`` process group is needed: collectives are answered locally (a sum
 is ``world_size`` copies of this rank's payload, a gather ``world_size`` payloads).
@@ -43,6 +44,7 @@ from thinwire.plan.cost import (
     StepPrediction,
     predict_step,
 )
+from thinwire.plan.embedding import TableLookups, measure_lookups, table_traffic
 from thinwire.plan.methods import (
     EMBEDDING_KINDS,
     WRAPPER_KINDS,
@@ -56,6 +58,8 @@ from thinwire.plan.methods import (
 FIRST_BUCKET_MB = 1.0
 BUCKET_CAP_MB = 25.0
 MB = 2**20
+#: how many steps of every rank's batches the embedding lookups are measured on
+LOOKUP_STEPS = 4
 
 NamedTensors = Sequence[tuple[str, Tensor]]
 
@@ -195,25 +199,42 @@ def measure_method(
     seed: int = 0,
     fuse_rounds: bool = True,
     broadcast_bytes: int = 0,
+    lookups: Sequence[TableLookups] | None = None,
 ) -> MethodCost:
     """What ``method`` sends per step for parameters ``params`` and how long its
     compression takes (median of ``repeats`` steps after one warm-up step, past any density
     warm-up), bucketed as DDP does (ready order and fractions from ``compute``).
     ``fuse_rounds``: a thinwire compressor's later rounds travel with the next bucket's
     first, as :func:`thinwire.register` does by default. ``broadcast_bytes``: the buffers
-    DDP broadcasts before every forward pass, for the methods that run under DDP."""
+    DDP broadcasts before every forward pass, for the methods that run under DDP.
+    ``lookups``: the embedding tables' measured lookups, which the embedding methods need
+    (:func:`thinwire.plan.embedding.measure_lookups`)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     kind = method_kind(method)
     opts = method_options(method, options)
-    if kind in EMBEDDING_KINDS:
-        raise ValueError(
-            f"the cost model does not model {method!r} (its traffic depends on the ids each "
-            "batch looks up); measure it with thinwire bench"
-        )
     params = [(n, p) for n, p in params]
+    if kind in EMBEDDING_KINDS:
+        if lookups is None:
+            raise ValueError(
+                f"{method!r} sends what each batch looks up: profile it with its task "
+                "(profile_task, thinwire plan --task) so that the ids can be measured"
+            )
+        return _embedding_cost(
+            method,
+            opts,
+            params,
+            lookups,
+            world_size=world_size,
+            compute=compute,
+            bucket_cap_mb=bucket_cap_mb,
+            repeats=repeats,
+            seed=seed,
+            fuse_rounds=fuse_rounds,
+            broadcast_bytes=broadcast_bytes,
+        )
     dense_bytes = sum(p.numel() * 4 for _, p in params)
     if kind is Kind.LOCAL:
         return MethodCost(method, (), dense_bytes, opts)
@@ -235,6 +256,53 @@ def measure_method(
         params, groups, exchanger, repeats, seed, ready_of, timed=kind is not Kind.DDP
     )
     return MethodCost(method, tuple(buckets), dense_bytes, opts, broadcast_bytes=broadcast_bytes)
+
+
+def _embedding_cost(
+    method: str,
+    opts: Mapping[str, Any],
+    params: NamedTensors,
+    lookups: Sequence[TableLookups],
+    *,
+    world_size: int,
+    compute: ComputeProfile | None,
+    **measure: Any,
+) -> MethodCost:
+    """An embedding method: the tables' traffic (measured lookups) and the rest of the
+    model through DDP, or through the method's ``compressor`` under DDP."""
+    tables = {table.name for table in lookups}
+    unknown = tables - {name for name, _ in params}
+    if unknown:
+        raise ValueError(f"lookups name tables that are not parameters: {sorted(unknown)}")
+    head = [(n, p) for n, p in params if n not in tables]
+    head_compute = None
+    if compute is not None:
+        head_compute = ComputeProfile(
+            compute.time,
+            {n: compute.ready[n] for n, _ in head},
+            tuple(n for n in compute.order if n not in tables),
+        )
+    compressor = str(opts.get("compressor", "none"))
+    head_cost = measure_method(
+        "dense" if compressor == "none" else compressor,
+        head,
+        world_size=world_size,
+        options=None if compressor == "none" else opts.get("compressor_options"),
+        compute=head_compute,
+        **measure,
+    )
+    traffic = table_traffic(method, lookups, dict(opts))
+    ready = max((compute.ready[name] for name in tables), default=1.0) if compute else 1.0
+    rows = BucketCost(ready, 0.0, traffic.backward, numel=sum(t.rows * t.dim for t in lookups))
+    return MethodCost(
+        method,
+        (*head_cost.buckets, rows),
+        sum(p.numel() * 4 for _, p in params),
+        opts,
+        broadcast_bytes=head_cost.broadcast_bytes,
+        forward_collectives=traffic.forward,
+        background_collectives=traffic.background,
+    )
 
 
 def _wrapper_cost(
@@ -566,11 +634,13 @@ def profile_model(
     bucket_cap_mb: float = BUCKET_CAP_MB,
     fuse_rounds: bool = True,
     broadcast_buffers: bool = True,
+    lookups: Sequence[TableLookups] | None = None,
 ) -> Profile:
     """Measure ``model``'s compute on ``batch`` and each method's traffic and compression
     time (``methods``: name -> options) for ``world_size`` workers (``fuse_rounds``: see
     :func:`measure_method`; ``broadcast_buffers``: DDP's option of that name, whose
-    broadcast of the model's buffers before each forward pass the DDP methods pay)."""
+    broadcast of the model's buffers before each forward pass the DDP methods pay;
+    ``lookups``: the embedding tables' lookups, for the embedding methods)."""
     for name, opts in methods.items():
         method_options(name, opts)  # fail fast, before the slow part
     compute = measure_compute(model, batch, loss_fn, repeats=repeats)
@@ -589,6 +659,7 @@ def profile_model(
             repeats=method_repeats,
             fuse_rounds=fuse_rounds,
             broadcast_bytes=buffer_bytes,
+            lookups=lookups,
         )
         for name, opts in methods.items()
     }
@@ -605,9 +676,12 @@ def profile_task(
     **options: Any,
 ) -> Profile:
     """:func:`profile_model` for a :class:`thinwire.tasks.Task` (rank 0's first batch);
-    ``options`` go to :func:`profile_model` (``bucket_cap_mb``, ``broadcast_buffers``)."""
+    ``options`` go to :func:`profile_model` (``bucket_cap_mb``, ``broadcast_buffers``).
+    For the embedding methods, every rank's lookups are measured on its first batches."""
     model = task.build_model()
     batch = task.batch(0, world_size, 0)
+    if any(method_kind(name) in EMBEDDING_KINDS for name in methods):
+        options.setdefault("lookups", task_lookups(task, model, world_size))
     return profile_model(
         model,
         batch,
@@ -618,3 +692,11 @@ def profile_task(
         method_repeats=method_repeats,
         **options,
     )
+
+
+def task_lookups(
+    task: Any, model: nn.Module, world_size: int, steps: int = LOOKUP_STEPS
+) -> list[TableLookups]:
+    """The embedding lookups of ``task``'s first ``steps`` batches on every rank."""
+    batches = [[task.batch(r, world_size, s)[0] for r in range(world_size)] for s in range(steps)]
+    return measure_lookups(model, batches, world_size)
