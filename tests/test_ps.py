@@ -260,6 +260,14 @@ def checkpoint_and_resume(rank: int, world: int, run: Run) -> dict[str, Any]:
     if resumed.server is not None:
         out["snapshot_version"] = checkpoint["ps"]["server"]["version"]
         out["applied"] = list(resumed.server.applied)
+        out["released"] = list(resumed.server.released)
+    another = _server(_model(), run, world)
+    try:  # another rank's part is refused
+        another.load_state_dict({**checkpoint["ps"], "rank": {"rank": -1}})
+        out["refusal"] = "none"
+    except ValueError as error:
+        out["refusal"] = str(error)
+    another.close()
     return out
 
 
@@ -292,6 +300,12 @@ def test_an_asynchronous_checkpoint_is_a_barrier_and_resumes_the_clocks(pool4) -
             server["snapshot_version"] + i + 1 for i in range(len(applied))
         ]
         assert np.isfinite(server["resumed"]).all()
+        # the clocks went on from step 3: the first push (step 3) is answered while the
+        # others are still at 3 (with clocks from 0 it would wait until all had pushed)
+        first = server["released"][0]
+        assert (first.next_step, first.slowest) == (4, 3)
+    for result in results:
+        assert "load each rank's own state_dict()" in result["refusal"]
 
 
 def _dedicated_checkpoint(rank: int, world: int) -> str:

@@ -231,9 +231,15 @@ class ParameterServer:
         servers apply each push with the ratio of group 0's rate to its initial one."""
         return self.optimizer.param_groups
 
+    def _open(self) -> None:
+        """Let this rank's shard serve (after any checkpoint was loaded)."""
+        if self.server is not None:
+            self.server.open.set()
+
     def step(self) -> None:
         """Push this worker's gradients to every shard, then pull the new parameters."""
         self._check_usable()
+        self._open()
         if not self.is_worker:
             raise RuntimeError("step() on a dedicated server rank: only workers train")
         factor = float(self.optimizer.param_groups[0]["lr"]) / self._base_lr
@@ -298,6 +304,7 @@ class ParameterServer:
             )
         if self._closed:
             raise RuntimeError("ParameterServer.state_dict() after close(): take it before")
+        self._open()
         for server_rank, link in enumerate(self._links):
             header = torch.tensor(
                 [SNAPSHOT, self.step_count, self._versions[server_rank], 0], dtype=torch.float64
@@ -307,13 +314,23 @@ class ParameterServer:
             self._pull(server_rank, link)
         self._check_usable()
         state: dict[str, Any] = {
+            "rank": self._identity(),
             "step": self.step_count,
             "versions": list(self._versions),
             "engines": [engine.state_dict() for engine in self._engines],
         }
         if self.server is not None:  # its snapshot was taken before it answered us
-            state["server"] = self.server.snapshot
+            state["server"], self.server.snapshot = self.server.snapshot, None
         return state
+
+    def _identity(self) -> dict[str, Any]:
+        """Which part of which setup a rank's checkpoint is."""
+        return {
+            "rank": self.rank,
+            "world": self.world,
+            "servers": self.servers,
+            "mode": self.mode,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned on this rank, right after building the
@@ -323,29 +340,34 @@ class ParameterServer:
                 "ParameterServer.load_state_dict() needs colocated servers (the default), as "
                 "state_dict() does"
             )
-        expected = {"step", "versions", "engines"} | ({"server"} if self.is_server else set())
+        expected = {"rank", "step", "versions", "engines"}
+        expected |= {"server"} if self.is_server else set()
         if not isinstance(state, dict) or not expected <= set(state):
             found = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"not a ParameterServer checkpoint of this rank: expected keys "
                 f"{sorted(expected)}, got {found}; load each rank's own state_dict()"
             )
-        if len(state["versions"]) != self.servers or len(state["engines"]) != len(self._engines):
+        if state["rank"] != self._identity():
             raise ValueError(
-                f"this checkpoint was taken with {len(state['versions'])} server shard(s), "
-                f"this server has {self.servers}: resume with the same servers and ranks"
+                f"this checkpoint is {state['rank']}'s part, this is {self._identity()}: "
+                "load each rank's own state_dict(), into a ParameterServer with the same "
+                "world size, servers and mode"
             )
-        if self.step_count:
+        if self.step_count or (self.server is not None and self.server.open.is_set()):
             raise RuntimeError(
-                f"ParameterServer.load_state_dict() after {self.step_count} step(s): load "
+                "ParameterServer.load_state_dict() after this rank stepped or served: load "
                 "the checkpoint right after building the server, on every rank"
             )
+        if self.server is not None:
+            self.server.check_restorable(state["server"])
         self.step_count = int(state["step"])
         self._versions = [int(v) for v in state["versions"]]
         for engine, saved in zip(self._engines, state["engines"], strict=True):
             engine.load_state_dict(saved)
-        if self.server is not None:  # its thread waits for the first push: nothing runs
+        if self.server is not None:  # it waits for open: no push is applied before this
             self.server.restore(state["server"])
+        self._open()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients."""
@@ -355,6 +377,7 @@ class ParameterServer:
         """On a dedicated server rank: answer the workers until they all close."""
         if self.server is None or self._server_thread is not None:
             raise RuntimeError("serve() is for dedicated server ranks (colocated=False)")
+        self._open()
         if not self._served:
             self._served = True
             self.server.serve()
@@ -365,6 +388,7 @@ class ParameterServer:
         if self._closed:
             return
         self._closed = True
+        self._open()
         if self.is_worker:
             for link in self._links:
                 header = torch.tensor([CLOSE, self.step_count, 0, 0], dtype=torch.float64)

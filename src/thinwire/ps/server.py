@@ -114,12 +114,16 @@ class ShardServer:
         self.snapshot: dict[str, Any] | None = None
         #: asynchronous mode: each worker's clock (the step it computes next)
         self.clocks = [0] * self.workers
+        #: set once the shard may serve: a checkpoint may still be loaded until then
+        self.open = threading.Event()
         self._zeros = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
 
     # -- serving ------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Answer pushes until every worker has said it is done."""
+        """Answer pushes until every worker has said it is done (once :attr:`open` is
+        set: until then, pushes wait in their channels and a checkpoint can be loaded)."""
+        self.open.wait()
         if self.mode == "sync":
             self._serve_sync()
         else:
@@ -171,6 +175,12 @@ class ShardServer:
                 raise header
             if int(header[0]) == CLOSE:
                 running.discard(worker)
+                if checkpointing:
+                    raise RankMismatchError(
+                        f"asynchronous parameter server: worker {worker} closed while "
+                        f"worker(s) {sorted(checkpointing)} waited at a checkpoint; every "
+                        "worker must call state_dict() after the same number of steps"
+                    )
             elif int(header[0]) == SNAPSHOT:
                 checkpointing[worker] = int(header[1])
             else:
@@ -267,15 +277,22 @@ class ShardServer:
             }
         )
 
+    def check_restorable(self, state: dict[str, Any]) -> None:
+        """Raise if :meth:`restore` would refuse ``state`` (nothing is changed)."""
+        if not isinstance(state, dict) or list(state.get("names", [])) != self.names:
+            names = list(state.get("names", [])) if isinstance(state, dict) else state
+            raise ValueError(
+                f"this checkpoint's server shard holds other parameters ({names!r:.80} "
+                f"against {self.names!r:.80}): load it into a ParameterServer built with the "
+                "same model, servers and ranks"
+            )
+
     def restore(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state` returned (the shard must have the same parameters).
-        Only while no worker pushes (right after construction)."""
-        if list(state.get("names", [])) != self.names:
-            raise ValueError(
-                "this checkpoint's server shard holds other parameters "
-                f"({list(state.get('names', []))[:3]}... against {self.names[:3]}...): load "
-                "it into a ParameterServer built with the same model, servers and ranks"
-            )
+        Only before the shard serves (:attr:`open` not yet set)."""
+        self.check_restorable(state)
+        if self.open.is_set():
+            raise RuntimeError("a shard's checkpoint can only be loaded before it serves")
         with torch.no_grad():
             for p, saved in zip(self.params, state["params"], strict=True):
                 p.copy_(saved)
