@@ -17,6 +17,7 @@ from thinwire.compress.none import NoCompression
 from thinwire.plan import (
     ALLGATHER,
     ALLREDUCE,
+    ALLTOALL,
     DIRECT,
     BucketCost,
     Collective,
@@ -560,20 +561,53 @@ def test_lookups_count_distinct_ids_per_rank_and_per_owner_by_hand() -> None:
         measure_lookups(nn.Linear(3, 3), batches, world_size=2)
 
 
+def test_lookups_refuse_what_the_embedding_methods_refuse() -> None:
+    batches = [[torch.tensor([[0, 1]]), torch.tensor([[2, 3]])]]
+    tied = _Bag()
+    tied.head = nn.Linear(5, 12)
+    tied.head.weight = tied.embedding.weight  # a tied output projection
+    with pytest.raises(ValueError, match="shares its weight"):
+        measure_lookups(tied, batches, world_size=2)
+    padded = _Bag()
+    padded.embedding = nn.Embedding(12, 5, padding_idx=0)
+    with pytest.raises(ValueError, match="uses padding_idx"):
+        measure_lookups(padded, batches, world_size=2)
+
+    class Twice(_Bag):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) + super().forward(ids)
+
+    with pytest.raises(ValueError, match="looked up 2 times in one forward pass"):
+        measure_lookups(Twice(), batches, world_size=2)
+
+    class Unused(_Bag):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.zeros(ids.shape[0], 5))
+
+    (table,) = measure_lookups(Unused(), batches, world_size=2)
+    assert (table.unique, table.largest, table.per_peer) == (0.0, 0.0, 0.0)
+
+
 def test_table_traffic_of_the_sharded_and_gathered_tables_by_hand() -> None:
     table = TableLookups("e.weight", rows=1000, dim=16, unique=100.0, largest=120.0, per_peer=30.0)
-    sharded = table_traffic("emb-sharded", [table], {"prefetch": True})
-    # rows of 16 fp32 = 64 bytes: 30 rows and a status row to each peer, 30 row gradients
-    assert sharded.forward == (Collective(DIRECT, 31 * 64),)
-    assert sharded.backward == (Collective(DIRECT, 30 * 64),)
-    assert sharded.background == (Collective(DIRECT, 8), Collective(DIRECT, 30 * 8))
-    unfetched = table_traffic("emb-sharded", [table], {"prefetch": False})
+    sharded = table_traffic("emb-sharded", [table], {"prefetch": True}, world_size=4)
+    # rows of 16 fp32 = 64 bytes: 30 rows and a status row to each of 3 peers, 30 row
+    # gradients to each; one int64 count and 30 ids to each
+    assert sharded.forward == (Collective(ALLTOALL, 3 * 31 * 64),)
+    assert sharded.backward == (Collective(ALLTOALL, 3 * 30 * 64),)
+    assert sharded.background == (Collective(ALLTOALL, 3 * 8), Collective(ALLTOALL, 3 * 30 * 8))
+    unfetched = table_traffic("emb-sharded", [table], {"prefetch": False}, world_size=4)
     assert unfetched.forward == (*sharded.background, *sharded.forward)
     assert unfetched.background == ()
-    gathered = table_traffic("emb-allgather", [table], {})
+    gathered = table_traffic("emb-allgather", [table], {}, world_size=4)
     assert gathered.forward == () and gathered.background == ()
     # every rank's part padded to the largest: 120 x (8-byte id + 64-byte row)
     assert gathered.backward == (Collective(ALLGATHER, 8), Collective(ALLGATHER, 120 * 72))
+    # an all-to-all's bytes are what a rank sends to all its peers, in one latency
+    link = bare(MBYTE_PER_S, latency_s=0.01)
+    assert collective_time(ALLTOALL, 300_000, 4, link) == pytest.approx(0.01 + 0.3)
+    with pytest.raises(ValueError, match="prefetches the next batch's ids for one table"):
+        table_traffic("emb-sharded", [table, table], {"prefetch": True}, world_size=4)
 
 
 def test_a_forward_lookup_lengthens_the_forward_pass_and_background_traffic_does_not() -> None:
@@ -602,11 +636,14 @@ def test_embedding_methods_send_the_tables_traffic_and_ddp_the_rest() -> None:
     dense = measure_method("dense", params[1:], world_size=2)  # the head alone
     for method in ("emb-sharded", "emb-allgather"):
         cost = measure_method(method, params, world_size=2, lookups=[table])
-        traffic = table_traffic(method, [table], {"prefetch": True})
+        traffic = table_traffic(method, [table], {"prefetch": True}, world_size=2)
         assert cost.buckets[:-1] == dense.buckets
         assert cost.buckets[-1].collectives == traffic.backward
         assert cost.forward_collectives == traffic.forward
+        assert cost.background_collectives == traffic.background
         assert cost.dense_bytes == sum(p.numel() * 4 for _, p in params)
+    sharded = measure_method("emb-sharded", params, world_size=2, lookups=[table])
+    assert len(sharded.forward_collectives) == 1 and len(sharded.background_collectives) == 2
     compressed = measure_method(
         "emb-sharded",
         params,

@@ -15,6 +15,7 @@ renders a plan as a table or JSON.
 from thinwire.plan.cost import (
     ALLGATHER,
     ALLREDUCE,
+    ALLTOALL,
     DIRECT,
     BreakEven,
     BucketCost,
@@ -52,6 +53,7 @@ from thinwire.plan.profile import (
 __all__ = [
     "ALLGATHER",
     "ALLREDUCE",
+    "ALLTOALL",
     "BUILTIN_METHODS",
     "DEFAULT_PLAN_METHODS",
     "DIRECT",

@@ -11,6 +11,7 @@ message of ``S`` bytes per rank, bandwidth ``B`` and a per-step latency ``alpha`
     all-reduce  (reduce-scatter + all-gather):  2 (N-1) alpha  +  2 (N-1)/N * S * o / B
     all-gather:                                   (N-1) alpha  +    (N-1)   * S * o / B
     direct (all-to-all of each rank's payload):         alpha  +    (N-1)   * S * o / B
+    all-to-all (S in all, a part for each peer):        alpha  +              S * o / B
     broadcast from rank 0 (gloo):                       alpha  +    (N-1)   * S * o / B
 
 ``o`` is the TCP/IPv4 header overhead: every ``mtu``-byte packet carries ``mtu - 52``
@@ -43,9 +44,11 @@ have finished::
 
 A sharded embedding table fetches the rows a batch looks up during the forward pass, which
 waits for them: ``forward_collectives`` lengthen the forward pass; its row gradients are a
-bucket ready when the table's gradient is; the next batch's routing, prefetched on a
-thread of its own, is ``background_collectives``, counted in the bytes but not on the
-critical path (:mod:`thinwire.plan.embedding`).
+bucket ready when the table's gradient is, exchanged after DDP's buckets (in the bench
+they travel on a process group of their own, beside DDP's: the model queues them, an
+overestimate when both are large); the next batch's routing, prefetched on a thread of
+its own, is ``background_collectives``, counted in the bytes but not on the critical path
+(:mod:`thinwire.plan.embedding`).
 
 DDP with ``broadcast_buffers`` (its default) first broadcasts rank 0's buffers (batch-norm
 statistics, ``broadcast_bytes``) at the start of every forward pass, which waits for it:
@@ -76,7 +79,8 @@ GLOO_STEP_DELAYS = 2.0
 ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
 DIRECT = "direct"
-KINDS = (ALLREDUCE, ALLGATHER, DIRECT)
+ALLTOALL = "alltoall"  #: ``all_to_all_single``: ``nbytes`` is what a rank sends to all peers
+KINDS = (ALLREDUCE, ALLGATHER, DIRECT, ALLTOALL)
 
 #: the bandwidth range (bits/s) that :func:`break_even_bandwidth` searches
 BREAK_EVEN_RANGE = (1e3, 1e12)
@@ -157,8 +161,8 @@ def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> fl
 
     All-reduce: ``2(N-1)`` ring steps and ``2(N-1)/N * nbytes`` per rank on the wire;
     all-gather: ``N-1`` ring steps and ``(N-1) * nbytes``; direct: one step and
-    ``(N-1) * nbytes``; each step costs ``link.step_latency_s``. One rank (or nothing to
-    send) costs nothing.
+    ``(N-1) * nbytes``; all-to-all: one step and ``nbytes`` (split among the peers); each
+    step costs ``link.step_latency_s``. One rank (or nothing to send) costs nothing.
     """
     _check_kind(kind)
     _check_world(world_size)
@@ -166,7 +170,7 @@ def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> fl
         raise ValueError(f"a collective cannot carry {nbytes} bytes")
     if world_size == 1 or nbytes == 0:
         return 0.0
-    steps = {ALLREDUCE: 2 * (world_size - 1), ALLGATHER: world_size - 1, DIRECT: 1}[kind]
+    steps = {ALLREDUCE: 2 * (world_size - 1), ALLGATHER: world_size - 1}.get(kind, 1)
     volume = wire_bytes(kind, nbytes, world_size)
     return steps * link.step_latency_s + volume * link.seconds_per_byte()
 
@@ -186,6 +190,8 @@ def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
     _check_world(world_size)
     if kind == ALLREDUCE:
         return 2 * (world_size - 1) * nbytes / world_size
+    if kind == ALLTOALL:
+        return nbytes
     return (world_size - 1) * nbytes
 
 

@@ -5,13 +5,13 @@ Their traffic depends on the data, not only on the model: a sharded table moves 
 rows a batch looks up. So the ids are measured, as every rank would look them up on its own
 batches, with a hook on each ``nn.Embedding``. With ``u`` distinct ids on a rank, ``p`` of
 them owned by one given other rank (row ``r`` lives on rank ``r % W``), ``D`` the row
-width, fp32 rows and int64 ids, per table and step (``direct``: an all-to-all, one latency
-and ``N - 1`` messages of the given size per rank; see :mod:`thinwire.plan.cost`)::
+width, fp32 rows and int64 ids, per table and step (``alltoall(S)``: one latency, ``S``
+bytes from a rank to all its peers together; see :mod:`thinwire.plan.cost`)::
 
-    emb-sharded    routing   counts: direct(8)      ids: direct(8 p)          (prefetched:
-                                                                               off the path)
-                   forward   rows:   direct(4 D (p + 1))   (one status row per peer)
-                   backward  row gradients: direct(4 D p)  (ready when the table's is)
+    emb-sharded    routing   counts: alltoall(8 (N-1))   ids: alltoall(8 p (N-1))
+                                                         (prefetched: off the path)
+                   forward   rows:   alltoall(4 D (p + 1) (N-1))  (a status row per peer)
+                   backward  row gradients: alltoall(4 D p (N-1))  (when the table's is ready)
     emb-allgather  backward  counts: allgather(8)   (ids, rows): allgather(u_max (8 + 4 D))
 
 ``u_max`` is the largest rank's ``u``: the all-gather pads every rank's part to it. The
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from thinwire.plan.cost import ALLGATHER, DIRECT, Collective
+from thinwire.plan.cost import ALLGATHER, ALLTOALL, Collective
 
 ID_BYTES = 8  #: int64 ids
 ROW_ELEMENT_BYTES = 4  #: fp32 rows and row gradients
@@ -56,7 +56,11 @@ def measure_lookups(
     model: nn.Module, batches: Sequence[Sequence[Tensor]], world_size: int
 ) -> list[TableLookups]:
     """Run ``model`` on ``batches[step][rank]`` (its inputs) and record, for every
-    ``nn.Embedding``, the ids each rank looks up at each step (no gradients, no training)."""
+    ``nn.Embedding``, the ids each rank looks up at each step (no gradients, no training).
+    Tables that the embedding methods refuse (tied weights, ``padding_idx``, ...) are
+    refused here too, with the same reason; a table must be looked up once per forward."""
+    from thinwire.sparse.convert import _check_convertible
+
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     tables = {
@@ -67,6 +71,11 @@ def measure_lookups(
             "the model has no nn.Embedding layers, so the embedding methods have nothing to "
             "shard: use them with a task that has embedding tables (e.g. packages)"
         )
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for name, table in tables.items():
+        _check_convertible(name, table, owners.get(id(table.weight), []))
     seen: dict[str, list[Tensor]] = {name: [] for name in tables}
     handles = [
         module.register_forward_pre_hook(
@@ -87,7 +96,14 @@ def measure_lookups(
                         ids.clear()
                     model(inputs)
                     for name, ids in seen.items():
-                        counts[name].append(_count(torch.cat(ids), world_size, len(counts[name])))
+                        if len(ids) > 1:
+                            raise ValueError(
+                                f"embedding {name!r} is looked up {len(ids)} times in one "
+                                "forward pass; the cost model takes one lookup per table "
+                                "and step: measure this model with thinwire bench"
+                            )
+                        looked_up = ids[0] if ids else torch.empty(0, dtype=torch.long)
+                        counts[name].append(_count(looked_up, world_size, len(counts[name])))
     finally:
         for handle in handles:
             handle.remove()
@@ -133,22 +149,32 @@ class TableTraffic:
 
 
 def table_traffic(
-    kind: str, tables: Sequence[TableLookups], options: dict[str, Any]
+    kind: str, tables: Sequence[TableLookups], options: dict[str, Any], world_size: int
 ) -> TableTraffic:
     """The collectives of ``kind`` (``"emb-sharded"`` or ``"emb-allgather"``) for
-    ``tables`` (see the module docstring); ``options``: the method's (``prefetch``)."""
+    ``tables`` on ``world_size`` ranks (see the module docstring); ``options``: the
+    method's (``prefetch``, which needs a single table, as the bench does)."""
+    prefetch = kind == "emb-sharded" and options.get("prefetch", True)
+    if prefetch and len(tables) != 1:
+        raise ValueError(
+            f"emb-sharded prefetches the next batch's ids for one table; this model has "
+            f'{len(tables)}: pass --options \'{{"emb-sharded": {{"prefetch": false}}}}\''
+        )
+    peers = world_size - 1
     forward: list[Collective] = []
     backward: list[Collective] = []
     background: list[Collective] = []
     for table in tables:
         if kind == "emb-sharded":
             routing = [
-                Collective(DIRECT, ID_BYTES),
-                Collective(DIRECT, round(table.per_peer * ID_BYTES)),
+                Collective(ALLTOALL, ID_BYTES * peers),
+                Collective(ALLTOALL, round(table.per_peer * ID_BYTES * peers)),
             ]
-            (background if options.get("prefetch", True) else forward).extend(routing)
-            forward.append(Collective(DIRECT, round((table.per_peer + 1) * table.row_bytes())))
-            backward.append(Collective(DIRECT, round(table.per_peer * table.row_bytes())))
+            (background if prefetch else forward).extend(routing)
+            rows = round((table.per_peer + 1) * table.row_bytes() * peers)
+            forward.append(Collective(ALLTOALL, rows))
+            grads = round(table.per_peer * table.row_bytes() * peers)
+            backward.append(Collective(ALLTOALL, grads))
         elif kind == "emb-allgather":
             backward.append(Collective(ALLGATHER, ID_BYTES))
             entry = ID_BYTES + table.row_bytes()

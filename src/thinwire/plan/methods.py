@@ -25,8 +25,8 @@ momentum"), so asynchronous training usually wants less explicit momentum.
 (``packages``); its other parameters go through DDP, with ``compressor`` (default ``none``:
 DDP's own all-reduce) if given. ``emb-sharded`` also takes ``overlap`` (the tables' own
 process groups) and ``prefetch`` (route the next batch's ids during this step; needs
-``overlap`` and a model that looks its input up in one table). The cost model does not
-model them: ``thinwire bench`` measures them.
+``overlap`` and a model that looks its input up in one table). The cost model models them
+from the ids the task's batches look up (:mod:`thinwire.plan.embedding`).
 
     method_kind("dgc")          # Kind.THINWIRE
     method_options("ddp-powersgd", {"matrix_approximation_rank": 2})

@@ -220,7 +220,8 @@ def measure_method(
         if lookups is None:
             raise ValueError(
                 f"{method!r} sends what each batch looks up: profile it with its task "
-                "(profile_task, thinwire plan --task) so that the ids can be measured"
+                "(profile_task, thinwire plan --task), or pass lookups= "
+                "(thinwire.plan.embedding.measure_lookups) so that the ids are known"
             )
         return _embedding_cost(
             method,
@@ -273,7 +274,10 @@ def _embedding_cost(
     tables = {table.name for table in lookups}
     unknown = tables - {name for name, _ in params}
     if unknown:
-        raise ValueError(f"lookups name tables that are not parameters: {sorted(unknown)}")
+        raise ValueError(
+            f"lookups name tables that are not trainable parameters: {sorted(unknown)} (a "
+            "frozen table needs no exchange: leave it out of the lookups, or unfreeze it)"
+        )
     head = [(n, p) for n, p in params if n not in tables]
     head_compute = None
     if compute is not None:
@@ -291,7 +295,7 @@ def _embedding_cost(
         compute=head_compute,
         **measure,
     )
-    traffic = table_traffic(method, lookups, dict(opts))
+    traffic = table_traffic(method, lookups, dict(opts), world_size)
     ready = max((compute.ready[name] for name in tables), default=1.0) if compute else 1.0
     rows = BucketCost(ready, 0.0, traffic.backward, numel=sum(t.rows * t.dim for t in lookups))
     return MethodCost(
@@ -643,6 +647,11 @@ def profile_model(
     ``lookups``: the embedding tables' lookups, for the embedding methods)."""
     for name, opts in methods.items():
         method_options(name, opts)  # fail fast, before the slow part
+        if method_kind(name) in EMBEDDING_KINDS and lookups is None:
+            raise ValueError(
+                f"{name!r} needs the tables' lookups: pass lookups= "
+                "(thinwire.plan.embedding.measure_lookups), or use profile_task"
+            )
     compute = measure_compute(model, batch, loss_fn, repeats=repeats)
     params = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
     buffer_bytes = (
