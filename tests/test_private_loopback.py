@@ -95,8 +95,9 @@ def _lo_sent(namespace: str) -> int:
 
 
 def _holders(pid: int) -> list[int]:
-    """The children of ``pid`` that are a private loopback's holder (``sleep infinity``);
-    a process has other children too (multiprocessing's resource tracker)."""
+    """The children of ``pid`` that are a private loopback's holder (``sleep infinity``, or
+    the ``setpriv``/``unshare``/``sh`` it is still on its way from: one process); a process
+    has other children too (multiprocessing's resource tracker)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -106,7 +107,7 @@ def _holders(pid: int) -> list[int]:
             except OSError:
                 continue
             parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == pid and command == b"sleep\x00infinity\x00":
+            if parent == pid and b"sleep infinity" in command.replace(b"\x00", b" "):
                 found.append(int(entry))
     return found
 

@@ -270,10 +270,15 @@ class DelayedAveraging:
         if len(self._pending) <= self._delay:
             self.optimizer.step()
             return
-        while len(self._pending) > self._delay:
+        self._advance_consensus(replay, keep=self._delay)
+        replay.rebuild([(pending.own or {}, pending.hyper or []) for pending in self._pending])
+
+    def _advance_consensus(self, replay: ConsensusReplay, keep: int) -> None:
+        """Step the consensus on the averages of the oldest pending steps, until ``keep``
+        steps are pending."""
+        while len(self._pending) > keep:
             oldest = self._pending.popleft()
             replay.advance(self._averages(oldest), oldest.hyper or [])
-        replay.rebuild([(pending.own or {}, pending.hyper or []) for pending in self._pending])
 
     def _averages(self, pending: _Pending) -> dict[int, Tensor]:
         """Wait for one step's exchange: its averaged gradients by parameter id; a
@@ -293,9 +298,7 @@ class DelayedAveraging:
         then hold the same weights. Call before evaluation and checkpoints."""
         if self._replay is not None:
             if self._pending:
-                while self._pending:
-                    oldest = self._pending.popleft()
-                    self._replay.advance(self._averages(oldest), oldest.hyper or [])
+                self._advance_consensus(self._replay, keep=0)
                 self._replay.rebuild([])
             return
         while self._pending:
@@ -349,10 +352,10 @@ class DelayedAveraging:
         """On the exchange thread: average one step's buckets, in order, and turn each own
         gradient into ``avg - own`` in place (into ``avg`` when replaying: some compressors
         reuse their output buffers next step, and the exchange never writes its input);
-        resolve each bucket's future
-        as it finishes. With ``fuse_rounds``, bucket i's later rounds travel in bucket
-        i+1's collectives (:meth:`GradientExchange.exchange_fused`). An error fails every
-        bucket not yet finished, so :meth:`_correct` raises it instead of waiting."""
+        resolve each bucket's future as it finishes. With ``fuse_rounds``, bucket i's later
+        rounds travel in bucket i+1's collectives (:meth:`GradientExchange.exchange_fused`).
+        An error fails every bucket not yet finished, so :meth:`_correct` raises it instead
+        of waiting."""
         try:
             for index, items in enumerate(buckets):
                 last = index == len(buckets) - 1

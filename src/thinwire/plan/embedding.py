@@ -86,12 +86,12 @@ def measure_lookups(
     counts: dict[str, list[tuple[int, int, float]]] = {name: [] for name in tables}
     try:
         with torch.no_grad():
-            for step_inputs in batches:
+            for step, step_inputs in enumerate(batches):
                 if len(step_inputs) != world_size:
                     raise ValueError(
                         f"each step needs one batch per rank ({world_size}), got {len(step_inputs)}"
                     )
-                for inputs in step_inputs:
+                for rank, inputs in enumerate(step_inputs):
                     for ids in seen.values():
                         ids.clear()
                     model(inputs)
@@ -103,27 +103,26 @@ def measure_lookups(
                                 "and step: measure this model with thinwire bench"
                             )
                         looked_up = ids[0] if ids else torch.empty(0, dtype=torch.long)
-                        counts[name].append(_count(looked_up, world_size, len(counts[name])))
+                        counts[name].append(_count(looked_up, world_size, step, rank))
     finally:
         for handle in handles:
             handle.remove()
     return [
-        _summarise(f"{name}.weight" if name else "weight", tables[name], counts[name], world_size)
+        _summarise(f"{name}.weight" if name else "weight", tables[name], counts[name])
         for name in tables
     ]
 
 
-def _count(ids: Tensor, world_size: int, position: int) -> tuple[int, int, float]:
-    """(step's index in the list, distinct ids, mean distinct ids owned by each other rank)."""
+def _count(ids: Tensor, world_size: int, step: int, rank: int) -> tuple[int, int, float]:
+    """(``step``, distinct ids, mean distinct ids owned by each rank other than ``rank``)."""
     unique = torch.unique(ids)
-    rank = position % world_size
     owners = torch.bincount(unique % world_size, minlength=world_size).tolist()
     others = [n for owner, n in enumerate(owners) if owner != rank]
-    return position // world_size, int(unique.numel()), statistics.fmean(others) if others else 0.0
+    return step, int(unique.numel()), statistics.fmean(others) if others else 0.0
 
 
 def _summarise(
-    name: str, table: nn.Embedding, counts: list[tuple[int, int, float]], world_size: int
+    name: str, table: nn.Embedding, counts: list[tuple[int, int, float]]
 ) -> TableLookups:
     steps = sorted({step for step, _, _ in counts})
     largest = [max(u for s, u, _ in counts if s == step) for step in steps]
