@@ -5,7 +5,8 @@ ResNet-18 (width 32) for a few steps under dense DDP, PyTorch's PowerSGD hook an
 thinwire's DGC, PowerSGD and 1-bit SGD, beside ``local`` (no exchange: the compute-only
 limit). It prints the table and writes ``runs/demo/results.json`` and ``bench.png``: a
 few minutes on two cores. Without root (no namespaces) it runs on plain loopback and says
-so. The full measurements are ``thinwire bench`` runs; the README lists their commands.
+so. The full measurements are ``thinwire bench`` runs; docs/measurements.md lists their
+commands.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class DGC(TopK):
         masking: momentum factor masking (zero the velocity of the entries sent), as
             published; off by default: on a small LSTM at 20 000 steps it ended 4.7 %
             above dense's perplexity against 2.7 % without it, and it made no difference
-            on the image task (README, "Quality").
+            on the image task (docs/measurements.md, "Quality").
         weight_decay: added to the gradient before momentum.
         warmup_steps: steps of exponential warm-up (densities 0.25, 0.0625, ... down to
             ``density``, in equal stages); 0 starts at ``density``.

@@ -23,7 +23,7 @@ Bytes: ``(n + m) * rank`` numbers, as PowerSGD's two rounds together.
 
 ``alternate``: only one side per exchange, C and R in turns (tensors start on alternate
 sides, by key): half the bytes, but the subspace then moves half as fast and is stale on
-one side; measured much worse (see the README).
+one side; measured much worse (docs/measurements.md, "PowerSGD in one round").
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class TernGrad(StochasticCompressor):
         per_row: a bound and a scaler per row (first dimension) of each tensor whose rows
             hold at least :data:`~thinwire.compress.base.MIN_ROW` values (the default);
             ``False``: one per tensor, as published, which ended 6.9 % above dense's
-            perplexity on a small LSTM against 1.4 % per row (README, "Quality").
+            perplexity on a small LSTM against 1.4 % per row (docs/measurements.md, "Quality").
     """
 
     clip_sigma: float | None = 2.5
