@@ -1,8 +1,10 @@
 """Delayed averaging with optimizers that have no closed-form correction: do ranks agree?
 
     python bench/dga_optimizers.py --out docs/results/dga-adam-digits.json
+    python bench/dga_optimizers.py --optimizer sgd --lr 0.05 --momentum 0.9 \
+        --weight-decay 0.01 --out docs/results/dga-sgd-wd-digits.json
 
-Trains the digits MLP on N local ranks with Adam, synchronously
+Trains the digits MLP on N local ranks with Adam (or SGD), synchronously
 (``thinwire.DistributedOptimizer``) and under ``thinwire.DelayedAveraging`` for each
 delay, from the same weights on the same batches. Every ``--check-every`` steps (and at
 the end) it flushes and records how far apart the ranks' weights are (the largest
@@ -37,15 +39,26 @@ def _spread(model: torch.nn.Module, world: int) -> float:
     return float(spread)
 
 
-def train(rank: int, world: int, delay: int, steps: int, lr: float, every: int) -> dict:
+def build_optimizer(
+    name: str, params: Any, lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """``adam`` or ``sgd`` (heavy-ball momentum) over ``params``."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def train(
+    rank: int, world: int, delay: int, steps: int, every: int, optimizer: dict[str, Any]
+) -> dict:
     """One run on this rank: delay 0 is the synchronous optimizer."""
     digits = task("digits")
     model = digits.build_model()
-    adam = torch.optim.Adam(model.parameters(), lr=lr)
+    inner = build_optimizer(params=model.parameters(), **optimizer)
     if delay == 0:
-        opt: Any = thinwire.DistributedOptimizer(adam, model)
+        opt: Any = thinwire.DistributedOptimizer(inner, model)
     else:
-        opt = thinwire.DelayedAveraging(adam, model, delay=delay)
+        opt = thinwire.DelayedAveraging(inner, model, delay=delay)
     spreads = []
     for step in range(steps):
         x, y = digits.batch(rank, world, step)
@@ -65,24 +78,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD's")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--delays", default="0,1,4", help="comma-separated; 0: synchronous")
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     delays = [int(d) for d in args.delays.split(",")]
+    optimizer = {
+        "name": args.optimizer,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "weight_decay": args.weight_decay,
+    }
     records = []
     first: torch.Tensor | None = None
     for delay in delays:
         ranks = run_local(
             train,
             args.workers,
-            args=(delay, args.steps, args.lr, args.check_every),
+            args=(delay, args.steps, args.check_every, optimizer),
             timeout=1800,
         )
         record = {
-            "optimizer": "adam",
+            "optimizer": args.optimizer,
             "lr": args.lr,
+            "momentum": args.momentum,
+            "weight_decay": args.weight_decay,
             "task": "digits",
             "workers": args.workers,
             "steps": args.steps,

@@ -21,9 +21,12 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import thinwire
+from thinwire.dp.delayed import correction_coefficients
 from thinwire.dp.replay import ConsensusReplay
 from thinwire.launch import init_local_group
 
@@ -50,6 +53,7 @@ class Run:
     optimizer: str = "sgd"  # or "adam", "nesterov", "maximize": no closed form (replayed)
     subset: bool = False  # average only the first layer; the optimizer steps every layer
     tensor_lr: bool = False  # the learning rate is a tensor, updated in place
+    weight_decay: float = 0.0  # SGD's
 
 
 def _model() -> nn.Module:
@@ -69,7 +73,9 @@ def _optimizer(run: Run, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=0.9, nesterov=True)
     if run.optimizer == "maximize":
         return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=0.9, maximize=True)
-    return torch.optim.SGD(params, lr=SCHEDULE[0], momentum=run.momentum)
+    return torch.optim.SGD(
+        params, lr=SCHEDULE[0], momentum=run.momentum, weight_decay=run.weight_decay
+    )
 
 
 def _state(optimizer: torch.optim.Optimizer) -> np.ndarray:
@@ -179,6 +185,50 @@ def test_momentum_is_corrected_too_so_ranks_agree_after_flush(pool, delay: int) 
         np.testing.assert_allclose(record["final"], records[0]["final"], rtol=1e-5, atol=1e-6)
     # before the flush they did differ: the last D steps were each rank's own
     assert not np.allclose(records[0]["weights"][-1], records[1]["weights"][-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_weight_decay_is_corrected_too_so_ranks_agree_after_flush(pool2, momentum) -> None:
+    """Weight decay acts on each rank's own weights, which differ by the pending steps; the
+    correction carries that through, so after flush the ranks agree (they did not when
+    the correction ignored the decay: 1e-3 apart here)."""
+    records = pool2.run(train, Run(delay=3, momentum=momentum, weight_decay=0.5))
+    np.testing.assert_allclose(records[1]["final"], records[0]["final"], rtol=0, atol=1e-6)
+    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rates=st.lists(
+        st.tuples(st.floats(0.001, 0.5), st.sampled_from([0.0, 1e-4, 0.01, 0.3])),
+        min_size=1,
+        max_size=6,
+    ),
+    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    delta=st.floats(-2.0, 2.0).filter(lambda d: abs(d) > 0.1),
+)
+def test_correction_coefficients_are_what_torch_sgd_does_with_a_changed_gradient(
+    rates, momentum, delta
+) -> None:
+    """Run torch's SGD over the same gradients twice, the first one changed by ``delta``:
+    the weights and buffer end ``a * delta`` and ``b * delta`` apart."""
+
+    def run(first_change: float) -> tuple[float, float]:
+        w = torch.tensor([0.7], dtype=torch.float64, requires_grad=True)
+        sgd = torch.optim.SGD([w], lr=rates[0][0], momentum=momentum)
+        for step, (lr, decay) in enumerate(rates):
+            sgd.param_groups[0].update(lr=lr, weight_decay=decay)
+            change = first_change if step == 0 else 0.0
+            w.grad = torch.tensor([0.3 - 0.1 * step + change], dtype=torch.float64)
+            sgd.step()
+        buf = sgd.state[w].get("momentum_buffer")
+        return float(w.detach()), float(buf) if buf is not None else 0.0
+
+    (w0, b0), (w1, b1) = run(0.0), run(delta)
+    moved, carried = correction_coefficients(rates, momentum)
+    assert w1 - w0 == pytest.approx(moved * delta, rel=1e-9, abs=1e-12)
+    if momentum:
+        assert b1 - b0 == pytest.approx(carried * delta, rel=1e-9, abs=1e-12)
 
 
 def test_identical_data_with_momentum_is_synchronous_momentum_sgd(pool) -> None:

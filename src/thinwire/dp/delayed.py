@@ -40,12 +40,12 @@ from thinwire.errors import RankMismatchError
 @dataclass
 class _Pending:
     """One step whose correction is not applied yet: per bucket, the buffers that hold this
-    rank's gradients and, once the future resolves, ``avg - own``; the learning rate of
-    every parameter group when the local step was taken."""
+    rank's gradients and, once the future resolves, ``avg - own``; the learning rate and
+    weight decay of every parameter group when the local step was taken."""
 
     deltas: list[list[Tensor]]
     futures: list[torch.futures.Future]
-    lrs: list[float]
+    rates: list[tuple[float, float]]
     step: int = 0
     #: replay only: this rank's gradients (by parameter id) and the groups' settings
     own: dict[int, Tensor] | None = None
@@ -71,15 +71,16 @@ class DelayedAveraging:
     that applied ``g_{t-D}`` locally, so a learning-rate schedule leaves no own-gradient
     residue. ``D = 0`` is exactly :class:`~thinwire.DistributedOptimizer` (same code).
 
-    With SGD momentum ``m`` (heavy ball, no dampening, no Nesterov) the correction also
-    replays what the missing ``delta = avg - own`` would have done through the momentum
-    buffer: after the local steps ``t .. t+j`` it moves the weights by ``-delta * sum_k
-    lr_{t+k} m^k`` and adds ``m^j delta`` to the buffer. The update is linear in the
-    gradients, so once every correction is in (after :meth:`flush`) each rank has applied
-    exactly the averaged gradients, through the same momentum: the ranks hold the same
-    weights and buffers (up to rounding, and to weight decay, which acts on each rank's own
-    recent weights). DGC applies its momentum in its memory, before the exchange, so it is
-    exact as well.
+    With SGD momentum ``m`` (heavy ball, no dampening, no Nesterov) and weight decay
+    ``wd`` the correction also replays what the missing ``delta = avg - own`` would have
+    done through the momentum buffer and the decay: SGD's step is affine in the gradient,
+    the weights and the buffer, so ``delta`` at step t moves them by ``a * delta`` and
+    ``b * delta`` after the local steps ``t .. t+j``, with ``a`` and ``b`` from
+    :func:`correction_coefficients` (without decay ``a = -sum_k lr_{t+k} m^k`` and
+    ``b = m^j``). Once every correction is in (after :meth:`flush`) each rank has applied
+    exactly the averaged gradients, through the same momentum and decay: the ranks hold
+    the same weights and buffers, up to rounding. DGC applies its momentum in its memory,
+    before the exchange, so it is exact as well.
 
     Other optimizers (Adam, AdamW, RMSprop, SGD with Nesterov momentum or dampening) have
     no closed-form correction: their step is not linear in the gradient. For them each rank
@@ -154,8 +155,10 @@ class DelayedAveraging:
         _agree_on_delay(self.engine, delay)
         self._lanes = [self.engine, *self._extra_lanes(lanes, group)]
         self._started = 0  # steps whose exchange has been started
-        #: the learning rates of the last D + 1 local steps (the momentum correction's)
-        self._lr_history: collections.deque[list[float]] = collections.deque(maxlen=delay + 1)
+        #: per group, (learning rate, weight decay) of the last D + 1 local steps
+        self._rate_history: collections.deque[list[tuple[float, float]]] = collections.deque(
+            maxlen=delay + 1
+        )
         self._momenta = [_exact_momentum(optimizer, group) for group in optimizer.param_groups]
         closed_form = all(_closed_form(optimizer, group) for group in optimizer.param_groups)
         #: the consensus of optimizers without a closed-form correction (Adam, ...)
@@ -254,7 +257,7 @@ class DelayedAveraging:
             return loss
         self._pending.append(self._start_exchange())
         self.optimizer.step()
-        self._lr_history.append(self._pending[-1].lrs)
+        self._rate_history.append(self._pending[-1].rates)
         while len(self._pending) > self._delay:
             self._correct(self._pending.popleft())
         return loss
@@ -333,9 +336,12 @@ class DelayedAveraging:
         futures = [torch.futures.Future() for _ in buckets]
         engine.submit(partial(self._exchange, engine, buckets, futures))
         self._started += 1
-        lrs = [float(param_group["lr"]) for param_group in self.optimizer.param_groups]
+        rates = [
+            (float(param_group["lr"]), float(param_group.get("weight_decay", 0.0)))
+            for param_group in self.optimizer.param_groups
+        ]
         deltas = [[item.grad for item in items] for items in buckets]
-        pending = _Pending(deltas, futures, lrs, step=self._started - 1)
+        pending = _Pending(deltas, futures, rates, step=self._started - 1)
         if self._replay is not None:
             pending.own = {
                 id(p): p.grad.detach().clone() for p in self._replay.live if p.grad is not None
@@ -381,18 +387,19 @@ class DelayedAveraging:
 
     def _correct(self, pending: _Pending) -> None:
         """Wait for one step's exchange and apply ``delta = avg - own`` as if step t had
-        used the average: with ``j`` local steps taken since (t itself included: j + 1
-        steps) and SGD momentum ``m`` (0 for plain SGD)::
+        used the average: after the local steps t .. t+j, with each group's momentum and
+        the rates those steps used (:func:`correction_coefficients`)::
 
-            w   -= delta * sum_{k=0..j} lr_{t+k} m^k     (what delta would have moved)
-            buf += delta * m^j                           (what it would still carry)
+            w   += delta * a      (what delta would have moved the weights by)
+            buf += delta * b      (what it would still carry in the momentum buffer)
         """
         taken = self._started - pending.step  # local steps t .. t+j: j + 1 of them
-        recent = list(self._lr_history)[-taken:]
+        recent = list(self._rate_history)[-taken:]
         scales, carries = [], []
         for index, momentum in enumerate(self._momenta):
-            scales.append(sum(lrs[index] * momentum**k for k, lrs in enumerate(recent)))
-            carries.append(momentum ** (taken - 1) if momentum else 0.0)
+            moved, carried = correction_coefficients([rates[index] for rates in recent], momentum)
+            scales.append(moved)
+            carries.append(carried if momentum else 0.0)
         for bucket, deltas, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
@@ -402,7 +409,7 @@ class DelayedAveraging:
                     index = self._group_of.get(id(p))
                     if index is None:  # averaged, but no optimizer group steps it
                         continue
-                    p.add_(delta.to(p.dtype), alpha=-scales[index])
+                    p.add_(delta.to(p.dtype), alpha=scales[index])
                     if carries[index]:
                         buffer = self.optimizer.state[p].get("momentum_buffer")
                         if buffer is not None:
@@ -429,6 +436,26 @@ class DelayedAveraging:
                 f"pending (delay={self._delay}): the weights are not yet the agreed ones. "
                 "Call flush() first (on every rank), then save or load model and optimizer."
             )
+
+
+def correction_coefficients(
+    rates: list[tuple[float, float]], momentum: float
+) -> tuple[float, float]:
+    """How far a gradient change ``delta`` at the first of these SGD steps moves the weights
+    and the momentum buffer by the end of the last: ``(a, b)`` with ``w += a * delta`` and
+    ``buf += b * delta``. ``rates`` holds each step's (learning rate, weight decay).
+
+    SGD (heavy ball, no dampening) steps ``buf_s = m buf_{s-1} + g_s + wd w_s`` and
+    ``w_{s+1} = w_s - lr_s buf_s``, affine in ``(w, buf, g)`` with the same coefficients for
+    every entry, so the change propagates as two scalars: at step t ``dbuf = 1`` and
+    ``dw = -lr_t``; at each later step ``dbuf = m dbuf + wd dw``, then ``dw -= lr dbuf``.
+    Without weight decay ``a = -sum_k lr_{t+k} m^k`` and ``b = m^j``.
+    """
+    moved, carried = 0.0, 0.0
+    for index, (lr, weight_decay) in enumerate(rates):
+        carried = 1.0 if index == 0 else momentum * carried + weight_decay * moved
+        moved -= lr * carried
+    return moved, carried
 
 
 def _closed_form(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:

@@ -68,7 +68,7 @@ EMBEDDING_KINDS = (Kind.EMB_ALLGATHER, Kind.EMB_SHARDED)
 
 
 @dataclass(frozen=True)
-class Method:
+class BuiltinMethod:
     """A method that is not a thinwire compressor: its ``kind``, a one-line ``summary``
     and the ``defaults`` of its options."""
 
@@ -81,31 +81,31 @@ class Method:
 #: The methods that are not thinwire compressors. ``ddp-powersgd`` defaults to
 #: ``start_powerSGD_iter=2`` (the smallest PyTorch allows with error feedback) so that a
 #: short benchmark measures PowerSGD, not the dense warm-up; the plan models the steady state.
-BUILTIN_METHODS: dict[str, Method] = {
+BUILTIN_METHODS: dict[str, BuiltinMethod] = {
     m.name: m
     for m in (
-        Method("local", Kind.LOCAL, "no exchange: one worker's compute only"),
-        Method("dense", Kind.DDP, "PyTorch DDP fp32 all-reduce"),
-        Method("ddp-fp16", Kind.DDP_FP16, "PyTorch DDP + fp16_compress_hook"),
-        Method(
+        BuiltinMethod("local", Kind.LOCAL, "no exchange: one worker's compute only"),
+        BuiltinMethod("dense", Kind.DDP, "PyTorch DDP fp32 all-reduce"),
+        BuiltinMethod("ddp-fp16", Kind.DDP_FP16, "PyTorch DDP + fp16_compress_hook"),
+        BuiltinMethod(
             "ddp-powersgd",
             Kind.DDP_POWERSGD,
             "PyTorch DDP + powerSGD_hook",
             {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "min_compression_rate": 2},
         ),
-        Method(
+        BuiltinMethod(
             "dga",
             Kind.DGA,
             "delayed gradient averaging: local step now, correction D steps later",
             {"delay": 2, "lanes": 2, "compressor": "none", "compressor_options": {}},
         ),
-        Method(
+        BuiltinMethod(
             "ps-sync",
             Kind.PS_SYNC,
             "synchronous parameter server (push gradients, pull parameters)",
             {"servers": 1, "compressor": "none", "compressor_options": {}},
         ),
-        Method(
+        BuiltinMethod(
             "ps-async",
             Kind.PS_ASYNC,
             "asynchronous parameter server with a staleness bound",
@@ -117,13 +117,13 @@ BUILTIN_METHODS: dict[str, Method] = {
                 "compressor_options": {},
             },
         ),
-        Method(
+        BuiltinMethod(
             "emb-allgather",
             Kind.EMB_ALLGATHER,
             "embedding gradients all-gathered as (row ids, rows); DDP for the rest",
             {"compressor": "none", "compressor_options": {}},
         ),
-        Method(
+        BuiltinMethod(
             "emb-sharded",
             Kind.EMB_SHARDED,
             "embedding rows sharded over the ranks, all-to-all lookups; DDP for the rest",
