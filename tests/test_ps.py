@@ -202,6 +202,24 @@ def test_asynchronous_server_never_lets_a_worker_run_further_ahead_than_the_boun
     assert np.isfinite(weights).all()
 
 
+def _train_with_short_logs(rank: int, world: int, run: Run) -> dict[str, Any]:
+    import thinwire.ps.server
+
+    thinwire.ps.server.LOG_LENGTH = 5  # this worker process only
+    return train(rank, world, run)
+
+
+def test_the_servers_logs_keep_only_the_latest_entries(pool2) -> None:
+    """A long job's logs must not grow without bound: 2 workers x 8 pushes, 5 kept, the
+    newest ones."""
+    results = pool2.run(_train_with_short_logs, Run(mode="async", staleness=8, steps=8))
+    (server,) = [r for r in results if "applied" in r]
+    applied, released = server["applied"], server["released"]
+    assert len(applied) == len(released) == 5
+    assert [a.applied_at for a in applied] == list(range(12, 17))  # versions 12..16 of 16
+    assert sorted(r.next_step for r in released)[-1] == 8
+
+
 def test_asynchronous_pushes_are_each_applied_as_one_scaled_sgd_step(pool2) -> None:
     # staleness 0 with equal speeds: still one optimizer step per push, gradient / workers
     results = pool2.run(train, Run(mode="async", staleness=0, momentum=0.0, steps=1))

@@ -18,11 +18,13 @@ arrives, as one optimizer step on ``gradient / workers``; a worker's answer (whi
 compute its next step) is held back while it would be more than ``staleness`` steps
 ahead of the slowest worker still running (stale synchronous parallel). Both keep logs:
 :attr:`ShardServer.applied` (which version each push was computed on and applied at) and
-:attr:`ShardServer.released` (each answer and the slowest worker's clock at that moment).
+:attr:`ShardServer.released` (each answer and the slowest worker's clock at that moment),
+the last :data:`LOG_LENGTH` entries of each, so a long job's memory stays flat.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import queue
 import threading
@@ -43,6 +45,8 @@ from thinwire.ps.links import WorkerFanIn
 PUSH, CLOSE, SNAPSHOT = 0, 1, 2
 FINE, POISONED = 0, 1
 HEADER, ANSWER = 4, 2
+#: entries kept in each of a shard's logs (about 100 bytes each)
+LOG_LENGTH = 100_000
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,9 @@ class ShardServer:
         )
         self.engine = GradientExchange(compressor, communicator=self.fan_in, memory=NoMemory())
         self.version = 0
-        self.applied: list[Applied] = []
-        self.released: list[Released] = []
+        #: the last LOG_LENGTH pushes applied and answers released, oldest first
+        self.applied: collections.deque[Applied] = collections.deque(maxlen=LOG_LENGTH)
+        self.released: collections.deque[Released] = collections.deque(maxlen=LOG_LENGTH)
         #: the state taken at the last checkpoint (see :meth:`state`)
         self.snapshot: dict[str, Any] | None = None
         #: asynchronous mode: each worker's clock (the step it computes next)
