@@ -447,6 +447,19 @@ def test_method_label_names_a_chosen_communicator() -> None:
     assert method_label(direct) == "powersgd (direct)"
 
 
+def test_a_method_faster_than_local_makes_the_run_suspect() -> None:
+    from thinwire.bench.report import timing_warnings
+
+    def record(method: str, step: float, wall: float) -> dict:
+        return {"method": method, "scaling_efficiency": step, "wall_scaling_efficiency": wall}
+
+    calm = [record("local", 1.0, 1.0), record("dgc", 0.97, 0.96), record("dga", 0.8, 1.08)]
+    assert timing_warnings(calm) == []
+    busy = [record("local", 1.0, 1.0), record("dgc", 1.31, 1.2), record("dga", 0.9, 1.4)]
+    (warning,) = timing_warnings(busy)
+    assert "dgc 1.31x" in warning and "dga 1.40x" in warning and "again" in warning
+
+
 def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parents[1] / "bench" / "repredict.py"
     config = {

@@ -98,7 +98,7 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; print the table, write JSON and plots."""
     from thinwire.bench.methods import parse_methods
-    from thinwire.bench.report import plot, results_table
+    from thinwire.bench.report import plot, results_table, timing_warnings
     from thinwire.bench.runner import BenchConfig, run_bench
     from thinwire.tasks import task_class
 
@@ -148,6 +148,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
     console.print(results_table(records))
+    for warning in timing_warnings(records):
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     picture = plot(records, out / "bench.png")
     console.print(f"results: {out / 'results.json'}   plots: {picture}")
     return 0

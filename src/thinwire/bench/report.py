@@ -68,6 +68,30 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
     return table
 
 
+#: how much faster than ``local`` a method may measure before its timings are suspect
+FASTER_THAN_LOCAL = 1.10
+
+
+def timing_warnings(records: list[dict[str, Any]]) -> list[str]:
+    """What makes this run's step times suspect: methods that measured more than 10 %
+    faster than ``local``, which does the same compute with no exchange at all, so
+    something else slowed ``local``'s steps (another process on the machine)."""
+    faster = []
+    for r in records:
+        efficiency = max(
+            r.get("scaling_efficiency") or 0.0, r.get("wall_scaling_efficiency") or 0.0
+        )
+        if r["method"] != "local" and efficiency > FASTER_THAN_LOCAL:
+            faster.append(f"{method_label(r)} {efficiency:.2f}x")
+    if not faster:
+        return []
+    return [
+        f"faster than local: {', '.join(faster)}. Nothing computes faster than local, which "
+        "only skips the exchange, so something else on this machine slowed local's steps: "
+        "this run's step times do not compare. Run it again with the machine otherwise idle."
+    ]
+
+
 def _title(records: list[dict[str, Any]]) -> str:
     if not records:
         return "thinwire bench"
