@@ -41,6 +41,27 @@ def test_density_outside_unit_interval_is_refused(density) -> None:
 
 
 @pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"density": True}, r"density must be in \(0, 1\], got True"),
+        ({"masking": "no"}, r"masking must be true or false, got 'no'"),
+        ({"masking": 1}, r"masking must be true or false, got 1"),
+        ({"weight_decay": float("nan")}, r"weight_decay must be a finite number >= 0, got nan"),
+        ({"weight_decay": float("inf")}, r"weight_decay must be a finite number >= 0, got inf"),
+        ({"weight_decay": "0.1"}, r"weight_decay must be a finite number >= 0, got '0.1'"),
+        ({"momentum": "0.9"}, r"momentum must be a number in \[0, 1\), got '0.9'"),
+        ({"momentum": None}, r"momentum must be a number in \[0, 1\), got None"),
+        ({"max_norm": float("nan")}, r"max_norm must be a number > 0 or None, got nan"),
+    ],
+)
+def test_dgc_options_of_the_wrong_kind_are_refused_by_name(options: dict, named: str) -> None:
+    """Not taken as something else (``"no"`` would switch masking on, NaN weight decay
+    would turn every weight into NaN at the first step)."""
+    with pytest.raises(ValueError, match=named):
+        thinwire.compressor("dgc", **options)
+
+
+@pytest.mark.parametrize(
     "optimizer",
     [
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -124,6 +145,62 @@ def test_mismatched_model_shapes_across_ranks(pool2) -> None:
     messages = pool2.run(mismatched_models)
     assert "rank 1 has different parameters" in messages[0]
     assert "rank 0 has different parameters" in messages[1]
+
+
+def mismatched_dtypes(rank: int, world: int) -> str:
+    model = DigitsMLP(hidden=32)
+    if rank == 1:
+        model = model.double()
+    try:
+        thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_mismatched_parameter_dtypes_across_ranks(pool2) -> None:
+    """Not accepted: rank 0's fp32 weights broadcast into rank 1's fp64 ones are garbage."""
+    messages = pool2.run(mismatched_dtypes)
+    assert "rank 1 has different parameters (names, shapes or dtypes)" in messages[0]
+    assert "rank 0 has different parameters (names, shapes or dtypes)" in messages[1]
+
+
+def load_a_checkpoint(rank: int, world: int, saved_by: str, loaded_by: str) -> str:
+    """Train one step with ``saved_by``'s compressor, then load rank 0's checkpoint (or
+    this rank's own) into an optimizer with ``loaded_by``'s."""
+    torch.manual_seed(0)
+    model = DigitsMLP(hidden=32)
+    compressors = {"topk": {"density": 0.1}, "powersgd": {"rank": 1}, "powersgd4": {"rank": 4}}
+
+    def build(which: str) -> thinwire.DistributedOptimizer:
+        name = which.rstrip("4")
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        return thinwire.DistributedOptimizer(sgd, model, name, **compressors[which])
+
+    first = build(saved_by)
+    model(torch.randn(4, 64)).sum().backward()
+    first.step()
+    state = first.state_dict()
+    shared = [state]
+    torch.distributed.broadcast_object_list(shared, src=0)  # "everyone loads rank 0's file"
+    second = build(loaded_by)
+    try:
+        second.load_state_dict(state if loaded_by != saved_by else shared[0])
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_is_refused_on_another_rank_or_with_another_compressor(pool2) -> None:
+    own_rank, other_rank = pool2.run(load_a_checkpoint, "topk", "topk")
+    assert own_rank == "loaded"
+    assert "rank 0's of 2, and this is rank 1 of 2" in other_rank
+    assert "every rank must save its own state_dict()" in other_rank
+    for message in pool2.run(load_a_checkpoint, "powersgd", "powersgd4"):
+        assert "saved with compressor PowerSGD(rank=1" in message
+        assert "uses PowerSGD(rank=4" in message and "same compressor options" in message
 
 
 def mismatched_options(rank: int, world: int) -> str:

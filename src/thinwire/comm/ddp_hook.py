@@ -89,7 +89,7 @@ def register(
         built, communicator=communicator, memory=memory, group=sibling_group(group)
     )
     named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
-    engine.verify((n, p.shape) for n, p in named)
+    engine.verify(named)
     state = HookState(engine, {id(p): n for n, p in named}, fuse_rounds=fuse_rounds)
     model.register_comm_hook(state, compressed_hook)
     return engine

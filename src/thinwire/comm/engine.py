@@ -309,11 +309,12 @@ class GradientExchange:
 
     # -- agreement between ranks ----------------------------------------------------------
 
-    def verify(self, shapes: Iterable[tuple[str, torch.Size]]) -> None:
-        """Check that every rank has the same parameters and the same compressor setup;
-        raise :class:`RankMismatchError` naming what differs. Collective: all ranks call it."""
-        shapes = list(shapes)
-        layout = ";".join(f"{name}:{tuple(shape)}" for name, shape in shapes)
+    def verify(self, parameters: Iterable[tuple[str, Tensor]]) -> None:
+        """Check that every rank has the same parameters (names, shapes and dtypes) and the
+        same compressor setup; raise :class:`RankMismatchError` naming what differs.
+        Collective: all ranks call it."""
+        shapes = list(parameters)
+        layout = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in shapes)
         setup = f"{self.compressor!r}|{self.communicator.name}|{type(self.memory).__name__}"
         mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -321,7 +322,7 @@ class GradientExchange:
         problems = []
         for rank, theirs in enumerate(everyone):
             if theirs[0] != mine[0]:
-                problems.append(f"rank {rank} has different parameters (names or shapes)")
+                problems.append(f"rank {rank} has different parameters (names, shapes or dtypes)")
             if theirs[1] != mine[1]:
                 problems.append(f"rank {rank} uses a different compressor or communicator")
         if problems:
@@ -334,18 +335,54 @@ class GradientExchange:
     # -- checkpointing --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue exactly: step, compressor, memory."""
+        """Everything a resumed run needs to continue exactly: step, compressor, memory,
+        and whose they are (``owner``: this rank, the world size, the compressor and its
+        options, the memory), since residuals, momenta and warm starts are one rank's own."""
         return {
             "step": self.step,
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
+            "owner": self._owner(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+    def _owner(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "compressor": repr(self.compressor),
+            "memory": type(self.memory).__name__,
+        }
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` saying what to do unless ``state`` is this exchange's own:
+        saved by this rank of a job of this size, with the same compressor and memory.
+        (States saved before thinwire recorded an owner are taken as they are.)"""
         missing = {"step", "compressor", "memory"} - set(state)
         if missing:
             raise ValueError(f"not a thinwire exchange state: missing {sorted(missing)}")
+        owner, mine = state.get("owner"), self._owner()
+        if owner is None:
+            return
+        for key in ("compressor", "memory"):
+            if owner.get(key) != mine[key]:
+                raise ValueError(
+                    f"this thinwire state was saved with {key} {owner.get(key)}, but this "
+                    f"exchange uses {mine[key]}: build thinwire with the same compressor "
+                    "options as the saved run, or resume without the thinwire state (the "
+                    "compressor then starts fresh)"
+                )
+        if (owner.get("rank"), owner.get("world_size")) != (self.rank, self.world_size):
+            raise ValueError(
+                f"this thinwire state is rank {owner.get('rank')}'s of {owner.get('world_size')}"
+                f", and this is rank {self.rank} of {self.world_size}: residuals, momenta and "
+                "warm starts are each rank's own, so every rank must save its own "
+                "state_dict() (e.g. to ckpt-rank{rank}.pt) and load that one. To resume "
+                "on another number of ranks, resume without the thinwire state."
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, after :meth:`check_state`."""
+        self.check_state(state)
         self.step = int(state["step"])
         self._current = StepStats(step=self.step)
         self.compressor.load_state_dict(state["compressor"])

@@ -71,7 +71,7 @@ class DistributedOptimizer:
             raise ValueError("the model has no parameters that require gradients")
         self.optimizer = optimizer
         self.engine = GradientExchange(built, communicator=communicator, memory=memory, group=group)
-        self.engine.verify((name, p.shape) for name, p in self.parameters)
+        self.engine.verify(self.parameters)
         if broadcast_parameters:
             with torch.no_grad():
                 for _, p in self.parameters:
@@ -143,6 +143,7 @@ class DistributedOptimizer:
                 "not a thinwire.DistributedOptimizer state dict (expected keys 'optimizer' "
                 f"and 'thinwire', got {sorted(state)})"
             )
+        self.engine.check_state(state["thinwire"])  # before anything changes
         self.optimizer.load_state_dict(state["optimizer"])
         self.engine.load_state_dict(state["thinwire"])
 

@@ -234,9 +234,18 @@ def run_locally(exchange: Exchange, wire_bytes: list[int] | None = None) -> Exch
         return stop.value
 
 
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool, a string or NaN/Inf)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
 def check_fraction(name: str, value: float) -> float:
     """Validate an option that must lie in (0, 1], with a message that names it."""
-    if not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+    if not is_real(value) or not 0.0 < float(value) <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {value!r}")
     return float(value)
 

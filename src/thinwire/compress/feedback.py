@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Exchanged, Memory, Slot
+from thinwire.compress.base import Exchanged, Memory, Slot, is_real
 
 
 class NoMemory(Memory):
@@ -88,12 +88,16 @@ class DGCMemory(Memory):
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if self.max_norm is not None and not self.max_norm > 0:
-            raise ValueError(f"max_norm must be > 0 or None, got {self.max_norm!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not is_real(self.momentum) or not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be a number in [0, 1), got {self.momentum!r}")
+        if self.max_norm is not None and not (is_real(self.max_norm) and self.max_norm > 0):
+            raise ValueError(f"max_norm must be a number > 0 or None, got {self.max_norm!r}")
+        if not is_real(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(
+                f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
+            )
+        if not isinstance(self.masking, bool):
+            raise ValueError(f"masking must be true or false, got {self.masking!r}")
         self.velocities: dict[str, Tensor] = {}
         self.accumulators: dict[str, Tensor] = {}
 
