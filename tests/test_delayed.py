@@ -612,6 +612,61 @@ def test_the_replay_cost_script_times_each_delay() -> None:
     assert all(float(ms) > 0 for _, ms in times)
 
 
+def nan_on_rank_one_at_step_one(rank: int, world: int) -> dict:
+    model = _model()
+    opt = thinwire.DelayedAveraging(torch.optim.SGD(model.parameters(), lr=0.1), model, delay=1)
+    out: dict = {}
+    for step in range(2):
+        x = torch.randn(4, 6)
+        if rank == 1 and step == 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).sum().backward()
+        try:
+            opt.step()
+        except thinwire.NonFiniteGradientError as error:
+            out["step"] = str(error)
+    out["finite_before_flush"] = all(bool(p.isfinite().all()) for p in model.parameters())
+    try:
+        opt.flush()
+    except thinwire.NonFiniteGradientError as error:
+        out["flush"] = str(error)
+    return out
+
+
+def test_a_nan_gradient_is_not_applied_locally_and_every_rank_hears_of_it(pool2) -> None:
+    """The rank with the NaN raises at once, before its local step (its weights stay
+    finite); every rank's correction of that step then fails, saying the weights no longer
+    agree (the message once said no rank applied anything, which was false under a delay)."""
+    first, second = pool2.run(nan_on_rank_one_at_step_one)
+    assert "step" not in first
+    assert "on this rank (1)" in second["step"] and "did not apply it" in second["step"]
+    assert first["finite_before_flush"] and second["finite_before_flush"]
+    for out in (first, second):
+        assert "non-finite gradient" in out["flush"]
+        assert "restore every rank from the last checkpoint" in out["flush"]
+
+
+def add_a_group_then_step(rank: int, world: int) -> str:
+    model = _model()
+    sgd = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    opt = thinwire.DelayedAveraging(sgd, model, delay=1)
+    sgd.add_param_group({"params": list(model[2].parameters())})
+    model(torch.randn(4, 6)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_group_added_to_a_closed_form_optimizer_is_refused_too(pool2) -> None:
+    """SGD's correction skipped the new group's parameters: ranks drifted apart on them."""
+    for message in pool2.run(add_a_group_then_step):
+        assert "[2] at construction, [2, 2] now" in message
+        assert "build DelayedAveraging after add_param_group()" in message
+
+
 def test_a_parameter_group_added_after_construction_is_refused_with_what_to_do() -> None:
     model = _model()
     adam = torch.optim.Adam(model[0].parameters())

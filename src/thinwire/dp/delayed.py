@@ -33,8 +33,14 @@ from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.optimizer import DistributedOptimizer
 from thinwire.compress.base import Compressor, Memory, Request
 from thinwire.compress.feedback import NoMemory
-from thinwire.dp.replay import ConsensusReplay, Hyper, hyperparameters
-from thinwire.errors import RankMismatchError
+from thinwire.dp.replay import (
+    ConsensusReplay,
+    Hyper,
+    group_sizes,
+    hyperparameters,
+    refuse_changed_groups,
+)
+from thinwire.errors import NonFiniteGradientError, RankMismatchError
 
 
 @dataclass
@@ -163,6 +169,7 @@ class DelayedAveraging:
         closed_form = all(_closed_form(optimizer, group) for group in optimizer.param_groups)
         #: the consensus of optimizers without a closed-form correction (Adam, ...)
         self._replay = ConsensusReplay(optimizer) if delay > 0 and not closed_form else None
+        self._group_sizes = group_sizes(optimizer)
         self._group_of = {
             id(p): index
             for index, param_group in enumerate(optimizer.param_groups)
@@ -255,7 +262,9 @@ class DelayedAveraging:
         if self._replay is not None:
             self._replay_step(self._replay)
             return loss
+        refuse_changed_groups(self.optimizer, self._group_sizes)
         self._pending.append(self._start_exchange())
+        self._refuse_non_finite(self._pending[-1])
         self.optimizer.step()
         self._rate_history.append(self._pending[-1].rates)
         while len(self._pending) > self._delay:
@@ -270,6 +279,7 @@ class DelayedAveraging:
         if not self._pending:  # the weights are agreed (start, flush, a loaded checkpoint)
             replay.adopt_live()
         self._pending.append(self._start_exchange())
+        self._refuse_non_finite(self._pending[-1])
         if len(self._pending) <= self._delay:
             self.optimizer.step()
             return
@@ -283,6 +293,24 @@ class DelayedAveraging:
             oldest = self._pending.popleft()
             replay.advance(self._averages(oldest), oldest.hyper or [])
 
+    def _refuse_non_finite(self, pending: _Pending) -> None:
+        """Raise before the local step if this rank's gradient has NaN or Inf (one sum per
+        parameter, of its live gradient: the exchange thread owns the copies): it is not
+        applied here, and the exchange already started fails on every rank when its
+        correction is due."""
+        grads = [(name, p.grad) for bucket in self.buckets for name, p in bucket]
+        sums = torch.stack([g.sum() for _, g in grads if g is not None])
+        if bool(sums.isfinite().all()):
+            return
+        bad = [name for name, g in grads if g is not None and not bool(g.isfinite().all())]
+        raise NonFiniteGradientError(
+            f"non-finite gradient (NaN or Inf) at step {pending.step}, on this rank "
+            f"({self.engine.rank}) in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
+            "DelayedAveraging did not apply it on this rank, and every rank's correction of "
+            "that step will fail. Lower the learning rate, clip gradients, or check the loss "
+            "and the input data for NaN/Inf."
+        )
+
     def _averages(self, pending: _Pending) -> dict[int, Tensor]:
         """Wait for one step's exchange: its averaged gradients by parameter id; a
         parameter that is not averaged (the optimizer has it, ``model`` does not) keeps
@@ -291,7 +319,7 @@ class DelayedAveraging:
         for bucket, means, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
-            future.wait()  # raises the exchange's error (CommunicationError, ...) here
+            _wait(future)  # raises the exchange's error (CommunicationError, ...) here
             for (_, p), mean in zip(bucket, means, strict=True):
                 averages[id(p)] = mean
         return averages
@@ -403,7 +431,7 @@ class DelayedAveraging:
         for bucket, deltas, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
-            future.wait()  # raises the exchange's error (CommunicationError, ...) here
+            _wait(future)  # raises the exchange's error (CommunicationError, ...) here
             with torch.no_grad():
                 for (_, p), delta in zip(bucket, deltas, strict=True):
                     index = self._group_of.get(id(p))
@@ -436,6 +464,18 @@ class DelayedAveraging:
                 f"pending (delay={self._delay}): the weights are not yet the agreed ones. "
                 "Call flush() first (on every rank), then save or load model and optimizer."
             )
+
+
+def _wait(future: torch.futures.Future) -> None:
+    """Wait for one exchange; a non-finite average says what it means under a delay."""
+    try:
+        future.wait()
+    except NonFiniteGradientError as error:
+        raise NonFiniteGradientError(
+            f"{error} Under DelayedAveraging every rank has taken its own steps since that "
+            "step, so the ranks' weights no longer agree: restore every rank from the last "
+            "checkpoint (saved after flush())."
+        ) from error
 
 
 def correction_coefficients(

@@ -60,7 +60,7 @@ class ConsensusReplay:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.live = [p for group in optimizer.param_groups for p in group["params"]]
-        self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]
+        self.group_sizes = group_sizes(optimizer)
         self.copies = [p.detach().clone() for p in self.live]
         groups, start = [], 0
         for group, hyper in zip(optimizer.param_groups, hyperparameters(optimizer), strict=True):
@@ -80,14 +80,7 @@ class ConsensusReplay:
     def check_unchanged(self) -> None:
         """Refuse parameter groups added or changed since construction (the consensus
         would not step them)."""
-        sizes = [len(group["params"]) for group in self.optimizer.param_groups]
-        if sizes != self.group_sizes:
-            raise ValueError(
-                f"the optimizer's parameter groups changed (parameters per group: "
-                f"{self.group_sizes} at construction, {sizes} now), but DelayedAveraging "
-                "keeps its consensus over the parameters it was built with: build "
-                "DelayedAveraging after add_param_group()"
-            )
+        refuse_changed_groups(self.optimizer, self.group_sizes)
 
     def adopt_live(self) -> None:
         """Make the consensus what the live weights and state are now (at the start, and
@@ -172,3 +165,21 @@ def _copy_entry(state: dict[str, Any] | None, target: torch.optim.Optimizer, dst
             held.copy_(value)
         else:
             copied[key] = value.detach().clone()
+
+
+def group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
+    """How many parameters each of ``optimizer``'s groups has."""
+    return [len(group["params"]) for group in optimizer.param_groups]
+
+
+def refuse_changed_groups(optimizer: torch.optim.Optimizer, sizes: list[int]) -> None:
+    """Raise ``ValueError`` if ``optimizer``'s groups no longer have ``sizes`` parameters:
+    DelayedAveraging corrects (or replays) the parameters it was built with, and would
+    leave a group added since on each rank's own gradients."""
+    now = group_sizes(optimizer)
+    if now != sizes:
+        raise ValueError(
+            f"the optimizer's parameter groups changed (parameters per group: {sizes} at "
+            f"construction, {now} now), but DelayedAveraging corrects only the parameters "
+            "it was built with: build DelayedAveraging after add_param_group()"
+        )
