@@ -360,18 +360,61 @@ def test_bad_options_are_refused_before_anything_is_sent(pool2) -> None:
         assert "mode must be one of" in message[0]
         assert "staleness must be an integer >= 0" in message[1]
         assert "leaves no worker" in message[2]
+        assert all("timeout_s must be a number of seconds > 0" in m for m in message[3:6])
+        assert "which is 0.0: build the optimizer with its peak rate" in message[6]
 
 
 def _bad_options(rank: int, world: int) -> list[str]:
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     messages = []
-    for kwargs in ({"mode": "eventual"}, {"staleness": -1}, {"servers": 2, "colocated": False}):
+    for kwargs in (
+        {"mode": "eventual"},
+        {"staleness": -1},
+        {"servers": 2, "colocated": False},
+        {"timeout_s": -1},
+        {"timeout_s": "5"},
+        {"timeout_s": float("nan")},
+    ):
         try:
             thinwire.ParameterServer(sgd, model, **kwargs)
         except ValueError as error:
             messages.append(str(error))
+    try:
+        thinwire.ParameterServer(torch.optim.SGD(model.parameters(), lr=0.0), model)
+    except ValueError as error:
+        messages.append(str(error))
     return messages
+
+
+def _warmup_from_zero(rank: int, world: int, front_end: str) -> np.ndarray:
+    """A scheduler built before the front end has already set the rate to 0 (a linear
+    warm-up); the server takes the schedule's base rate, initial_lr."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: min(1.0, step / 2))
+    if front_end == "ps":
+        opt: Any = thinwire.ParameterServer(sgd, model)
+    else:
+        opt = thinwire.DistributedOptimizer(sgd, model)
+    for step in range(4):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        schedule.step()
+    if front_end == "ps":
+        opt.close()
+    return _flat(model)
+
+
+def test_a_schedule_that_starts_at_zero_is_followed_by_the_server(pool2) -> None:
+    """It once divided by the rate at construction (ZeroDivisionError at the first step)."""
+    served = pool2.run(_warmup_from_zero, "ps")
+    reduced = pool2.run(_warmup_from_zero, "allreduce")
+    for a, b in zip(served, reduced, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.abs(served[0] - _flat(_model())).max() > 1e-3
 
 
 def test_an_in_process_answer_sent_before_a_failure_is_still_delivered() -> None:
@@ -438,6 +481,38 @@ def _lost_peer(rank: int, port: int, who: str, results: mp.Queue) -> None:
         return
     results.put(("finished", rank, ""))
     dist.destroy_process_group()
+
+
+def _a_worker_never_closes(rank: int, port: int, results: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    init_local_group(rank, 2, port, timeout_s=30)
+    model = _model()
+    ps = thinwire.ParameterServer(torch.optim.SGD(model.parameters(), lr=0.1), model, timeout_s=3)
+    for step in range(2):
+        x, y = _batch(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        ps.step()
+    if rank == 1:
+        time.sleep(60)  # alive, but never closes
+        return
+    try:
+        ps.close()
+    except thinwire.CommunicationError as error:
+        results.put(("error", rank, str(error)))
+        return
+    results.put(("closed", rank, ""))
+
+
+def test_close_with_a_worker_that_never_closes_is_an_error(
+    first_report: Callable[..., Any],
+) -> None:
+    """close() on the server's rank used to return as if all was well after the timeout,
+    its shard still waiting."""
+    began = time.monotonic()
+    kind, rank, message = first_report(_a_worker_never_closes, timeout=60)
+    assert (kind, rank) == ("error", 0), message
+    assert "call close() on every rank" in message or "stalled" in message, message
+    assert time.monotonic() - began < 40
 
 
 @pytest.mark.parametrize("who", ["server", "worker"])

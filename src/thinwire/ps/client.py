@@ -29,12 +29,12 @@ from torch import nn
 
 from thinwire.comm.collectives import _group_timeout
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest
-from thinwire.compress.base import Compressor, Memory
+from thinwire.compress.base import Compressor, Memory, is_real
 from thinwire.compress.registry import compressor as build_compressor
-from thinwire.errors import NonFiniteGradientError, RankMismatchError
+from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
 from thinwire.ps.channels import TO_SERVER, TO_WORKER, Channel, LocalPair, ProcessChannel
 from thinwire.ps.links import ServerLink
-from thinwire.ps.server import ANSWER, CLOSE, FINE, PUSH, SNAPSHOT, ShardServer
+from thinwire.ps.server import ANSWER, CLOSE, FINE, PUSH, SNAPSHOT, ShardServer, base_rate
 from thinwire.ps.sharding import assign_shards
 
 MODES = ("sync", "async")
@@ -93,6 +93,15 @@ class ParameterServer:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"staleness must be an integer >= 0 (steps), got {staleness!r}")
+        if timeout_s is not None and not (is_real(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if not base_rate(optimizer.param_groups[0]) > 0:
+            raise ValueError(
+                "the parameter server sends each push's learning rate as a factor of the "
+                "optimizer's rate at construction (its first group's initial_lr or lr), "
+                f"which is {base_rate(optimizer.param_groups[0])!r}: build the optimizer with "
+                "its peak rate (a scheduler may then lower it, to 0 too) before the server"
+            )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
             raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
@@ -165,7 +174,7 @@ class ParameterServer:
                 link = ServerLink(channel, world_size, self.worker_index, built.rounds > 1)
                 self._links.append(link)
                 self._engines.append(GradientExchange(built, communicator=link, memory=memory))
-        self._base_lr = float(optimizer.param_groups[0]["lr"])
+        self._base_lr = base_rate(optimizer.param_groups[0])
 
     # -- construction helpers -----------------------------------------------------------
 
@@ -396,6 +405,13 @@ class ParameterServer:
         if self._server_thread is not None:
             self._server_thread.join(self.timeout.total_seconds())
             self._check_usable()
+            if self._server_thread.is_alive():
+                raise CommunicationError(
+                    f"close() on rank {self.rank}: its server shard still waits for workers "
+                    f"after {self.timeout.total_seconds():g} s (the timeout). A shard finishes "
+                    "when every worker has closed: call close() on every rank after its last "
+                    "step (in a finally: block, so that an error does not skip it)."
+                )
         elif self.server is not None and not self.is_worker:
             self.serve()
 

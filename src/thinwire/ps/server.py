@@ -49,6 +49,13 @@ HEADER, ANSWER = 4, 2
 LOG_LENGTH = 100_000
 
 
+def base_rate(group: dict[str, Any]) -> float:
+    """The learning rate a push's ``lr_factor`` scales: the group's ``initial_lr`` where a
+    scheduler set one (its rate may already be scheduled down, to 0 in a warm-up), else its
+    ``lr`` as built."""
+    return float(group.get("initial_lr", group["lr"]))
+
+
 @dataclass(frozen=True)
 class Applied:
     """A push as the server applied it: ``worker``'s ``step``, computed on parameters of
@@ -101,7 +108,7 @@ class ShardServer:
         self.names = list(names)
         self.optimizer = optimizer
         self.params: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.base_lrs = [base_rate(g) for g in optimizer.param_groups]
         self.channels = list(channels)
         self.workers = len(self.channels)
         self.mode = mode
