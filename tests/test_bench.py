@@ -64,6 +64,38 @@ def test_methods_are_validated_before_anything_starts() -> None:
     assert methods["ddp-powersgd"].options["matrix_approximation_rank"] == 3
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--momentum", "1.5"], "momentum must be in [0, 1), got 1.5"),
+        (["--weight-decay", "-1"], "weight decay must be a number >= 0, got -1.0"),
+        (["--measure-from", "-1"], "measure-from must be a step in 0 .. 1 (steps - 1), got -1"),
+        (["--measure-from", "5"], "measure-from must be a step in 0 .. 1 (steps - 1), got 5"),
+        (["--options", "{bad"], "--options is not valid JSON"),
+        (["--task-options", "{bad"], "--task-options is not valid JSON"),
+        (
+            ["--methods", "ps-sync", "--options", '{"ps-sync": {"servers": 5}}'],
+            "ps-sync: 5 server(s) for 2 worker(s)",
+        ),
+        (
+            ["--methods", "dga", "--options", '{"dga": {"compressor": "topk", "lanes": 2}}'],
+            "dga: lanes=2 runs several steps' exchanges at once, but compressor 'topk'",
+        ),
+    ],
+)
+def test_bad_bench_settings_are_refused_before_any_worker_starts(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Each once started the workers (or ran, or printed a bare parser message)."""
+    from thinwire.cli import main
+
+    base = ["bench", "--task", "digits", "--network", "loopback", "--workers", "2"]
+    code = main([*base, "--steps", "2", "--out", str(tmp_path), *flags])
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert code == 2 and named in printed, printed
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_records_name_the_form_of_compressors_whose_defaults_depart_from_the_paper() -> None:
     methods = {m.name: m for m in parse_methods("dgc,terngrad,onebit,dga", steps=10)}
     assert methods["dgc"].options == {"masking": False, "warmup_steps": 1}

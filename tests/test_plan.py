@@ -671,3 +671,17 @@ def test_the_packages_tasks_embedding_methods_are_profiled_from_its_batches() ->
     )
     assert sharded.sent_bytes < gathered.sent_bytes < dense.sent_bytes / 4
     assert sharded.step_s < dense.step_s
+
+
+def test_the_plan_refuses_what_the_library_would_refuse() -> None:
+    """It once predicted 5 servers for 2 workers, and dga with a stateful compressor on
+    2 lanes, both of which the library refuses."""
+    from thinwire.plan.report import parse_request
+
+    servers = '{"ps-sync": {"servers": 5}}'
+    with pytest.raises(ValueError, match=r"ps-sync: 5 server\(s\) for 2 worker\(s\)"):
+        parse_request("digits", 2, "100mbit", "1ms", "ps-sync", servers)
+    lanes = '{"dga": {"compressor": "topk", "lanes": 2}}'
+    with pytest.raises(ValueError, match="compressor 'topk' carries state"):
+        parse_request("digits", 2, "100mbit", "1ms", "dga", lanes)
+    assert parse_request("digits", 2, "100mbit", "1ms", "dga").methods["dga"]["lanes"] == 2

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -95,6 +96,16 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_option(flag: str, text: str | None) -> Any:
+    """``text`` parsed as JSON (``{}`` when not given); an error names the flag."""
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not valid JSON ({error}): {text!r}") from None
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; print the table, write JSON and plots."""
     from thinwire.bench.methods import parse_methods
@@ -105,7 +116,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=150)  # whole table in logs
     try:
         task_class(args.task)
-        options = json.loads(args.options) if args.options else {}
+        options = _json_option("--options", args.options)
         if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
             raise ValueError(
                 f"--options must map method names to option objects, e.g. "
@@ -116,7 +127,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             for name in ("ps-sync", "ps-async"):
                 if name in listed:
                     options.setdefault(name, {}).setdefault("servers", args.servers)
-        task_options = json.loads(args.task_options) if args.task_options else {}
+        task_options = _json_option("--task-options", args.task_options)
         config = BenchConfig(
             task=args.task,
             methods=parse_methods(args.methods, options, args.steps),

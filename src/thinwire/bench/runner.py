@@ -92,6 +92,22 @@ class BenchConfig:
             raise ValueError("no methods given; e.g. local,dense,dgc,powersgd")
         if not (self.lr > 0):
             raise ValueError(f"the learning rate must be > 0, got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if not 0 <= self.weight_decay < float("inf"):
+            raise ValueError(f"weight decay must be a number >= 0, got {self.weight_decay!r}")
+        if self.measure_from is not None and not 0 <= self.measure_from < self.steps:
+            raise ValueError(
+                f"measure-from must be a step in 0 .. {self.steps - 1} (steps - 1), got "
+                f"{self.measure_from!r}"
+            )
+        for method in self.methods:
+            servers = method.options.get("servers", 0)
+            if servers > self.workers:
+                raise ValueError(
+                    f"{method.name}: {servers} server(s) for {self.workers} worker(s); the "
+                    "servers run inside worker ranks, so use at most one per worker"
+                )
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MB, got {self.bucket_cap_mb!r}")
         check_lr_schedule(self.lr_schedule)

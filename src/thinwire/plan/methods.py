@@ -273,9 +273,19 @@ def _check_wrapper_options(name: str, merged: dict[str, Any], unknown: set[str])
             f"{name}: a thinwire compressor exchanges the dense gradients from its own thread "
             "on DDP's process group, so the table needs its own group: keep overlap true"
         )
+    from thinwire.compress.feedback import NoMemory
     from thinwire.compress.registry import compressor
 
     built = compressor(merged["compressor"], **merged["compressor_options"])  # unknown name?
+    if merged.get("lanes", 1) > 1 and not (
+        built.stateless and isinstance(built.make_memory(), NoMemory)
+    ):
+        raise ValueError(
+            f"{name}: lanes={merged['lanes']} runs several steps' exchanges at once, but "
+            f"compressor {merged['compressor']!r} carries state from one step to the next, so "
+            "its steps must run in order: use lanes 1, or a stateless compressor (none, fp16, "
+            "bf16)"
+        )
     if name.startswith("emb-") and built.applies_momentum:
         raise ValueError(
             f"{name}: compressor {merged['compressor']!r} applies momentum itself, which would "

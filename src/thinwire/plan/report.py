@@ -88,6 +88,11 @@ def parse_request(
         chosen.update(given)
     for name, opts in chosen.items():
         chosen[name] = method_options(name, opts)
+        if chosen[name].get("servers", 0) > workers:
+            raise ValueError(
+                f"{name}: {chosen[name]['servers']} server(s) for {workers} worker(s); the "
+                "servers run inside worker ranks, so use at most one per worker"
+            )
     try:
         built = json.loads(task_options) if task_options else {}
     except json.JSONDecodeError as error:
