@@ -147,6 +147,44 @@ def test_mismatched_model_shapes_across_ranks(pool2) -> None:
     assert "rank 0 has different parameters" in messages[1]
 
 
+def sparse_gradient(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4, sparse=True)
+    opt = thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model(torch.tensor([1, 2])).sum().backward()
+    try:
+        opt.step()
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_sparse_gradient_is_refused_with_what_to_do(pool2) -> None:
+    """It failed inside torch ("reshape is not implemented for sparse tensors")."""
+    for message in pool2.run(sparse_gradient):
+        assert "the gradient of 'weight' is sparse" in message
+        assert "sparse=False" in message and "thinwire.sparse" in message
+
+
+def fp16_overflow(rank: int, world: int) -> str:
+    model = nn.Linear(4, 1)
+    opt = thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "fp16")
+    (model(torch.ones(2, 4)).sum() * 1e6).backward()
+    try:
+        opt.step()
+    except thinwire.NonFiniteGradientError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_an_fp16_overflow_names_fp16_as_a_cause(pool2) -> None:
+    """Every rank's gradients were finite; their fp16 payloads were not."""
+    for message in pool2.run(fp16_overflow):
+        assert "fp16 holds magnitudes up to 65504" in message and "use bf16" in message
+
+
 def mismatched_dtypes(rank: int, world: int) -> str:
     model = DigitsMLP(hidden=32)
     if rank == 1:

@@ -258,7 +258,9 @@ class GradientExchange:
         self._current.traffic.add(outcome.traffic)
         if outcome.poisoned:
             keys = fresh.not_finite if fresh is not None else []
-            raise NonFiniteGradientError(_non_finite_message(self.step, self.rank, keys))
+            raise NonFiniteGradientError(
+                _non_finite_message(self.step, self.rank, keys, self.compressor.name)
+            )
         for run, answer in zip(owners, outcome.answers, strict=True):
             run.advance(answer)
         return spent
@@ -389,16 +391,35 @@ class GradientExchange:
         self.memory.load_state_dict(state["memory"])
 
 
+def gradient_of(name: str, param: Tensor) -> Tensor:
+    """``param``'s gradient, made zeros where it has none (so every rank issues the same
+    collectives); a sparse gradient is refused with what to do."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    elif param.grad.layout != torch.strided:
+        raise TypeError(
+            f"the gradient of {name!r} is sparse ({param.grad.layout}), as nn.Embedding("
+            "sparse=True) makes it; thinwire exchanges dense gradients. Build the layer with "
+            "sparse=False, or shard the table with thinwire.sparse (its rows travel sparsely)."
+        )
+    return param.grad
+
+
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little", signed=True)
 
 
-def _non_finite_message(step: int, rank: int, keys: list[str]) -> str:
+def _non_finite_message(step: int, rank: int, keys: list[str], compressor: str = "") -> str:
     where = (
         f"on this rank ({rank}) in {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
         if keys
         else f"on another rank (rank {rank}'s own gradients were finite)"
     )
+    if not keys and compressor == "fp16":
+        where += (
+            ", or in fp16 payloads: fp16 holds magnitudes up to 65504, so larger gradients "
+            "(or their sum over the ranks) overflow to Inf; use bf16, or scale the loss down"
+        )
     return (
         f"non-finite gradient (NaN or Inf) at step {step}, {where}; the averaged gradient "
         "would be garbage, so no rank applied it. Lower the learning rate, clip gradients, "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.collectives import Communicator
-from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
 from thinwire.compress.base import Compressor, Memory
 from thinwire.compress.registry import compressor as build_compressor
 
@@ -98,9 +98,7 @@ class DistributedOptimizer:
         for bucket in self.buckets:
             items = []
             for name, p in bucket:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                items.append(GradientItem(name, p.grad, p))
+                items.append(GradientItem(name, gradient_of(name, p), p))
             buckets.append(items)
         means = self.engine.submit(lambda: self._exchange(buckets)).wait()
         for items, bucket_means in zip(buckets, means, strict=True):

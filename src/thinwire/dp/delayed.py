@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import Communicator, sibling_group
-from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
 from thinwire.comm.optimizer import DistributedOptimizer
 from thinwire.compress.base import Compressor, Memory, Request
 from thinwire.compress.feedback import NoMemory
@@ -355,9 +355,7 @@ class DelayedAveraging:
             for bucket in self.buckets:
                 items = []
                 for name, p in bucket:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    own = p.grad.detach().to(torch.float32, copy=True)
+                    own = gradient_of(name, p).detach().to(torch.float32, copy=True)
                     param = p.detach().clone() if self._snapshot_params else None
                     items.append(GradientItem(name, own, param))
                 buckets.append(items)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.collectives import _group_timeout
-from thinwire.comm.engine import GradientExchange, GradientItem, _digest
+from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
 from thinwire.compress.base import Compressor, Memory, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
@@ -260,9 +260,7 @@ class ParameterServer:
             items = []
             for index in self.shards[server_rank]:
                 name, p = self.parameters[index]
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                items.append(GradientItem(name, p.grad, p))
+                items.append(GradientItem(name, gradient_of(name, p), p))
             engine.step = self.step_count
             engine.exchange(items)
             engine.end_step()
