@@ -647,6 +647,24 @@ def test_a_nan_gradient_is_not_applied_locally_and_every_rank_hears_of_it(pool2)
         assert "restore every rank from the last checkpoint" in out["flush"]
 
 
+def large_fp16_gradients(rank: int, world: int) -> str:
+    model = nn.Linear(100, 1).half()
+    opt = thinwire.DelayedAveraging(torch.optim.SGD(model.parameters(), lr=1e-6), model, delay=1)
+    try:
+        for _ in range(2):
+            for p in model.parameters():  # finite, but their fp16 sum (1e5) is not
+                p.grad = torch.full_like(p, 1000.0)
+            opt.step()
+        opt.flush()
+    except thinwire.NonFiniteGradientError as error:
+        return str(error)
+    return "no error"
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_refused(pool2) -> None:
+    assert pool2.run(large_fp16_gradients) == ["no error", "no error"]
+
+
 def add_a_group_then_step(rank: int, world: int) -> str:
     model = _model()
     sgd = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)

@@ -387,6 +387,59 @@ def _bad_options(rank: int, world: int) -> list[str]:
     return messages
 
 
+def _load_another_compressors_state(rank: int, world: int) -> list[str]:
+    """A checkpoint of a top-k server loaded into a PowerSGD one: refused before anything
+    changed, so the same call fails the same way again (it once set the step first, and
+    the retry then said the rank had stepped)."""
+    model = _model()
+    saved = thinwire.ParameterServer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "topk", density=0.5
+    )
+    for step in range(2):
+        x, y = _batch(rank, step)
+        saved.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        saved.step()
+    state = saved.state_dict()
+    saved.close()
+    other = thinwire.ParameterServer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "powersgd", rank=1
+    )
+    messages = []
+    for _ in range(2):
+        try:
+            other.load_state_dict(state)
+        except (ValueError, RuntimeError) as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    messages.append(str(other.versions))
+    other.close()
+    return messages
+
+
+def test_another_compressors_checkpoint_is_refused_before_anything_changes(pool2) -> None:
+    for first, again, versions in pool2.run(_load_another_compressors_state):
+        assert first.startswith("ValueError") and "saved with compressor TopK" in first
+        assert again == first
+        assert versions == "[0]"
+
+
+def _double_on_rank_one(rank: int, world: int) -> str:
+    model = _model()
+    if rank == 1:
+        model = model.double()
+    try:
+        thinwire.ParameterServer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_parameter_dtypes_must_agree_across_ranks(pool2) -> None:
+    """Rank 0's fp32 weights are broadcast into every rank: into fp64 they were garbage."""
+    for message in pool2.run(_double_on_rank_one):
+        assert "has different parameters (names, shapes or dtypes)" in message, message
+
+
 def _warmup_from_zero(rank: int, world: int, front_end: str) -> np.ndarray:
     """A scheduler built before the front end has already set the rate to 0 (a linear
     warm-up); the server takes the schedule's base rate, initial_lr."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -235,9 +236,10 @@ def run_locally(exchange: Exchange, wire_bytes: list[int] | None = None) -> Exch
 
 
 def is_real(value: object) -> bool:
-    """Whether ``value`` is a finite int or float (not a bool, a string or NaN/Inf)."""
+    """Whether ``value`` is a finite real number, Python's or numpy's (not a bool, a
+    string or NaN/Inf)."""
     return (
-        isinstance(value, (int, float))
+        isinstance(value, numbers.Real)
         and not isinstance(value, bool)
         and math.isfinite(float(value))
     )

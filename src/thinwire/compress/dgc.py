@@ -83,6 +83,8 @@ class DGC(TopK):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         self.make_memory()  # validates momentum, max_norm and weight_decay
+        self.momentum, self.weight_decay = float(self.momentum), float(self.weight_decay)
+        self.max_norm = None if self.max_norm is None else float(self.max_norm)
         self.stages = warmup_stages(self.density)
         self.stride = _prime_at_least(round(1 / self.sample_fraction))
         self.generator = torch.Generator().manual_seed(self.seed)

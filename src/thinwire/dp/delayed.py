@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from thinwire.comm.collectives import Communicator, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
 from thinwire.comm.optimizer import DistributedOptimizer
-from thinwire.compress.base import Compressor, Memory, Request
+from thinwire.compress.base import Compressor, Memory, Request, all_finite
 from thinwire.compress.feedback import NoMemory
 from thinwire.dp.replay import (
     ConsensusReplay,
@@ -294,15 +294,14 @@ class DelayedAveraging:
             replay.advance(self._averages(oldest), oldest.hyper or [])
 
     def _refuse_non_finite(self, pending: _Pending) -> None:
-        """Raise before the local step if this rank's gradient has NaN or Inf (one sum per
-        parameter, of its live gradient: the exchange thread owns the copies): it is not
+        """Raise before the local step if this rank's gradient has NaN or Inf (the engine's
+        check, of the live gradients: the exchange thread owns the copies): it is not
         applied here, and the exchange already started fails on every rank when its
         correction is due."""
         grads = [(name, p.grad) for bucket in self.buckets for name, p in bucket]
-        sums = torch.stack([g.sum() for _, g in grads if g is not None])
-        if bool(sums.isfinite().all()):
+        bad = [name for name, g in grads if g is not None and not all_finite(g)]
+        if not bad:
             return
-        bad = [name for name, g in grads if g is not None and not bool(g.isfinite().all())]
         raise NonFiniteGradientError(
             f"non-finite gradient (NaN or Inf) at step {pending.step}, on this rank "
             f"({self.engine.rank}) in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "

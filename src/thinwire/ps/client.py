@@ -179,13 +179,13 @@ class ParameterServer:
     # -- construction helpers -----------------------------------------------------------
 
     def _check_agreement(self, compressor: Compressor, group: Any, colocated: bool) -> None:
-        layout = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self.parameters)
+        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self.parameters)
         setup = f"{compressor!r}|{self.mode}|{self.staleness}|{self.servers}|{colocated}"
         mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine, group=group)
         problems = [
-            f"rank {r} has different parameters"
+            f"rank {r} has different parameters (names, shapes or dtypes)"
             if theirs[0] != mine[0]
             else f"rank {r} has a different compressor or server setup"
             for r, theirs in enumerate(everyone)
@@ -368,6 +368,8 @@ class ParameterServer:
             )
         if self.server is not None:
             self.server.check_restorable(state["server"])
+        for engine, saved in zip(self._engines, state["engines"], strict=True):
+            engine.check_state(saved)  # another compressor's state: refused before any change
         self.step_count = int(state["step"])
         self._versions = [int(v) for v in state["versions"]]
         for engine, saved in zip(self._engines, state["engines"], strict=True):

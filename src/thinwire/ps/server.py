@@ -298,6 +298,7 @@ class ShardServer:
                 f"against {self.names!r:.80}): load it into a ParameterServer built with the "
                 "same model, servers and ranks"
             )
+        self.engine.check_state(state["engine"])
 
     def restore(self, state: dict[str, Any]) -> None:
         """Load what :meth:`state` returned (the shard must have the same parameters).
