@@ -503,6 +503,34 @@ def test_ranks_with_different_delays_are_refused(pool2) -> None:
         assert "range from 1 to 2" in message
 
 
+def different_lanes_or_optimizers(rank: int, world: int, what: str) -> str:
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if what == "optimizer" and rank == 1:
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    elif what == "momentum" and rank == 1:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = sgd
+    lanes = 1 + rank if what == "lanes" else 1
+    try:
+        thinwire.DelayedAveraging(optimizer, model, delay=2, lanes=lanes)
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["lanes", "optimizer", "momentum"])
+def test_ranks_with_different_lanes_or_optimizers_are_refused(pool2, what: str) -> None:
+    """Found only at the timeout (lanes), or never: SGD on one rank and Adam on the other
+    trained on, and the ranks ended 0.24 apart."""
+    for message in pool2.run(different_lanes_or_optimizers, what):
+        if what == "lanes":
+            assert "lanes=" in message and "range from 1 to 2" in message, message
+        else:
+            assert "optimizers differ in class or settings" in message, message
+
+
 @pytest.mark.parametrize("delay", [-1, 1.5, True, "2", None])
 def test_bad_delay_is_refused_naming_the_value(delay) -> None:
     model = _model()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import Communicator, sibling_group
-from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, _digest, gradient_of
 from thinwire.comm.optimizer import DistributedOptimizer
 from thinwire.compress.base import Compressor, Memory, Request, all_finite
 from thinwire.compress.feedback import NoMemory
@@ -158,7 +158,7 @@ class DelayedAveraging:
             **options,
         )
         self._delay = delay
-        _agree_on_delay(self.engine, delay)
+        _agree_on_settings(self.engine, delay, lanes, optimizer)
         self._lanes = [self.engine, *self._extra_lanes(lanes, group)]
         self._started = 0  # steps whose exchange has been started
         #: per group, (learning rate, weight decay) of the last D + 1 local steps
@@ -514,15 +514,37 @@ def _exact_momentum(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> 
     return 0.0
 
 
-def _agree_on_delay(engine: GradientExchange, delay: int) -> None:
-    """Check that every rank uses the same delay (one max over ``[D, -D]``); all ranks
-    raise :class:`RankMismatchError` if not. Collective: every rank calls it."""
-    probe = torch.tensor([delay, -delay], dtype=torch.int64)
-    outcome = engine.communicator.execute([Request.max(probe)])
-    highest, lowest = int(outcome.answers[0][0][0]), -int(outcome.answers[0][0][1])
-    if highest != lowest:
+def _agree_on_settings(
+    engine: GradientExchange, delay: int, lanes: int, optimizer: torch.optim.Optimizer
+) -> None:
+    """Check that every rank uses the same delay, lanes and optimizer (class and every
+    group's settings), with one max over ``[x, -x]`` for each; all ranks raise
+    :class:`RankMismatchError` naming what differs. Collective: every rank calls it."""
+    settings = repr(
+        [type(optimizer).__name__]
+        + [
+            sorted((k, repr(v)) for k, v in g.items() if k != "params")
+            for g in optimizer.param_groups
+        ]
+    )
+    mine = [delay, lanes, _digest(settings)]
+    probe = torch.tensor([v for value in mine for v in (value, -value)], dtype=torch.int64)
+    answer = engine.communicator.execute([Request.max(probe)]).answers[0][0]
+    problems = []
+    for index, (name, value) in enumerate(zip(("delay", "lanes"), mine, strict=False)):
+        highest, lowest = int(answer[2 * index]), -int(answer[2 * index + 1])
+        if highest != lowest:
+            problems.append(
+                f"this rank has {name}={value}, the ranks' range from {lowest} to {highest}"
+            )
+    if int(answer[4]) != -int(answer[5]):
+        problems.append(
+            f"the ranks' optimizers differ in class or settings (this rank: "
+            f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s))"
+        )
+    if problems:
         raise RankMismatchError(
-            f"ranks disagree on the delay (seen from rank {engine.rank}): this rank has "
-            f"delay={delay}, the ranks' delays range from {lowest} to {highest}. Every rank "
-            "must construct DelayedAveraging with the same delay."
+            f"ranks disagree (seen from rank {engine.rank}): {'; '.join(problems)}. Every "
+            "rank must construct DelayedAveraging with the same delay and lanes, over the "
+            "same optimizer with the same settings."
         )
