@@ -185,6 +185,33 @@ def test_an_fp16_overflow_names_fp16_as_a_cause(pool2) -> None:
         assert "fp16 holds magnitudes up to 65504" in message and "use bf16" in message
 
 
+def unfrozen_later(rank: int, world: int, front_end: str) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if front_end == "delayed":
+        opt: Any = thinwire.DelayedAveraging(sgd, model, delay=1)
+    else:
+        opt = thinwire.DistributedOptimizer(sgd, model)
+    model[0].requires_grad_(True)
+    model(torch.randn(3, 4)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("front_end", ["sync", "delayed"])
+def test_a_parameter_unfrozen_after_construction_is_refused(pool2, front_end: str) -> None:
+    """It was never averaged: the ranks drifted 0.5 apart on it without a word."""
+    for message in pool2.run(unfrozen_later, front_end):
+        assert "0.weight, 0.bias have gradients but did not require them" in message, message
+        assert "build the wrapper again" in message
+
+
 def mismatched_dtypes(rank: int, world: int) -> str:
     model = DigitsMLP(hidden=32)
     if rank == 1:

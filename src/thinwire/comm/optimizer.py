@@ -79,6 +79,9 @@ class DistributedOptimizer:
                         p.data, src=dist.get_global_rank(group, 0) if group else 0, group=group
                     )
         self.buckets = _buckets(self.parameters, int(bucket_cap_mb * 2**20))
+        #: the model, to find parameters that gain a gradient later (frozen, then unfrozen)
+        self._model = model if isinstance(model, nn.Module) else None
+        self._averaged = {id(p) for _, p in self.parameters}
         self.fuse_rounds = fuse_rounds
 
     @property
@@ -91,9 +94,28 @@ class DistributedOptimizer:
         """Statistics of the last exchange."""
         return self.engine.last_step
 
+    def check_no_new_gradients(self) -> None:
+        """Refuse a model parameter that has a gradient but was not averaged from the start
+        (it did not require one at construction): it would train on this rank's own."""
+        if self._model is None:
+            return
+        new = [
+            name
+            for name, p in self._model.named_parameters()
+            if p.grad is not None and id(p) not in self._averaged
+        ]
+        if new:
+            raise ValueError(
+                f"parameter(s) {', '.join(new[:5])}{' ...' if len(new) > 5 else ''} have "
+                "gradients but did not require them when thinwire was built (frozen, then "
+                "unfrozen), so they are not averaged and the ranks would drift apart: build "
+                "the wrapper again after changing requires_grad"
+            )
+
     def synchronize(self) -> None:
         """Average every gradient over the ranks, in place. Parameters without a gradient
         on this rank contribute zeros, so every rank issues the same collectives."""
+        self.check_no_new_gradients()
         buckets = []
         for bucket in self.buckets:
             items = []

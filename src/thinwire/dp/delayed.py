@@ -348,6 +348,7 @@ class DelayedAveraging:
         job on the lane's exchange thread. Parameters without a gradient get zeros, as in
         ``DistributedOptimizer``, so every rank issues the same collectives and steps the
         same parameters."""
+        self._sync.check_no_new_gradients()
         buckets: list[list[GradientItem]] = []
         engine = self._lanes[self._started % len(self._lanes)]
         with torch.no_grad():
