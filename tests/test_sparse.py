@@ -210,6 +210,31 @@ def _misuse_prefetch(rank: int, world: int) -> list[str]:
     return messages
 
 
+def _different_tables(rank: int, world: int, option: str) -> str:
+    rows, width = VOCAB, DIM
+    kwargs: dict[str, Any] = {}
+    if rank == 1:
+        if option == "num_embeddings":
+            rows += 20
+        elif option == "embedding_dim":
+            width += 2
+        else:
+            kwargs[option] = True
+    try:
+        ShardedEmbedding(rows, width, seed=3, **kwargs).close()
+    except thinwire.RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("option", ["num_embeddings", "embedding_dim", "sparse_grad"])
+def test_ranks_building_different_tables_are_refused(pool2, option: str) -> None:
+    """Rows: a later lookup failed on one rank and timed out on the other; width: gloo
+    aborted the process."""
+    for message in pool2.run(_different_tables, option):
+        assert "ranks build different sharded tables" in message and option in message, message
+
+
 def test_prefetch_misuse_is_refused_with_a_reason(pool2) -> None:
     for pending, mismatch, works, timeouts in pool2.run(_misuse_prefetch):
         assert timeouts == "0:01:00"  # the pools' 60 s

@@ -201,6 +201,7 @@ class ShardedEmbedding(nn.Module):
         self.rank = dist.get_rank(group)
         self.sparse_grad = sparse_grad
         self.overlap = overlap
+        _agree_on_table(self)
         if overlap:
             self._lookup_group = sibling_group(group)
             self._prefetch_group = sibling_group(group)
@@ -446,3 +447,25 @@ class _Lookup(torch.autograd.Function):
         else:
             grad = grad_out.new_zeros(shape).index_add_(0, route.served, at_owner)
         return grad, None, None, None
+
+
+def _agree_on_table(table: ShardedEmbedding) -> None:
+    """Check that every rank builds the same table (rows, width, overlap, sparse
+    gradients: the lookups' messages and process groups depend on them), with one max over
+    ``[x, -x]`` of each; all ranks raise :class:`~thinwire.RankMismatchError` naming what
+    differs. Collective over its group."""
+    names = ("num_embeddings", "embedding_dim", "overlap", "sparse_grad")
+    mine = [table.num_embeddings, table.embedding_dim, table.overlap, table.sparse_grad]
+    probe = torch.tensor([v for value in mine for v in (int(value), -int(value))])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=table.group)
+    problems = [
+        f"{name}={value} here, {-int(probe[2 * i + 1])} to {int(probe[2 * i])} over the ranks"
+        for i, (name, value) in enumerate(zip(names, mine, strict=True))
+        if int(probe[2 * i]) != -int(probe[2 * i + 1])
+    ]
+    if problems:
+        raise RankMismatchError(
+            f"ranks build different sharded tables (seen from rank {table.rank}): "
+            f"{'; '.join(problems)}. Every rank must build the same model, with the same "
+            "table sizes and options."
+        )
