@@ -74,6 +74,10 @@ def test_methods_are_validated_before_anything_starts() -> None:
         (["--options", "{bad"], "--options is not valid JSON"),
         (["--task-options", "{bad"], "--task-options is not valid JSON"),
         (
+            ["--task-options", '{"batch_size": "64"}'],
+            "task 'digits': option batch_size must be an integer (default 32), got '64'",
+        ),
+        (
             ["--methods", "ps-sync", "--options", '{"ps-sync": {"servers": 5}}'],
             "ps-sync: 5 server(s) for 2 worker(s)",
         ),

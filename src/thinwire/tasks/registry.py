@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, TypeVar
 
 from thinwire.tasks.base import Task
@@ -41,7 +42,31 @@ def task(name: str | Task, **options: Any) -> Task:
             f"task {name!r} has no option(s) {', '.join(unknown)}; "
             f"its options are: {', '.join(sorted(accepted)) or 'none'}"
         )
+    for key, value in options.items():
+        _check_kind(name, key, value, accepted[key])
     return cls(**options)
+
+
+#: what an option may be, by the kind of its default, and how to say it
+_KINDS: dict[type, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    str: ((str, os.PathLike), "a string"),
+}
+
+
+def _check_kind(task_name: str, key: str, value: Any, default: Any) -> None:
+    """Refuse an option whose kind differs from its default's (a string for an integer,
+    say), naming it, before the task compares it with anything."""
+    if type(default) not in _KINDS:  # None (optional) or a required option: the task checks
+        return
+    kinds, described = _KINDS[type(default)]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and type(default) is not bool):
+        raise ValueError(
+            f"task {task_name!r}: option {key} must be {described} (default {default!r}), "
+            f"got {value!r}"
+        )
 
 
 def tasks() -> dict[str, str]:
