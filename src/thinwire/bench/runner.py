@@ -46,7 +46,12 @@ from thinwire.bench.worker import (
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.cluster.private import check_private_loopback, private_loopback
 from thinwire.launch import LocalPool, Placement
-from thinwire.plan.methods import EMBEDDING_KINDS, UNSYNCHRONISED_KINDS, method_kind
+from thinwire.plan.methods import (
+    EMBEDDING_KINDS,
+    UNSYNCHRONISED_KINDS,
+    check_servers,
+    method_kind,
+)
 
 
 @dataclass(frozen=True)
@@ -102,12 +107,7 @@ class BenchConfig:
                 f"{self.measure_from!r}"
             )
         for method in self.methods:
-            servers = method.options.get("servers", 0)
-            if servers > self.workers:
-                raise ValueError(
-                    f"{method.name}: {servers} server(s) for {self.workers} worker(s); the "
-                    "servers run inside worker ranks, so use at most one per worker"
-                )
+            check_servers(method.name, method.options, self.workers)
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MB, got {self.bucket_cap_mb!r}")
         check_lr_schedule(self.lr_schedule)

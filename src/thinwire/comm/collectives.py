@@ -291,6 +291,17 @@ def _ring_allgather_traffic(nbytes: int, world: int) -> Traffic:
     return Traffic(payload=nbytes, sent=wire, received=wire, collectives=1)
 
 
+def value_ranges(
+    values: Sequence[int], group: dist.ProcessGroup | None = None
+) -> list[tuple[int, int]]:
+    """The lowest and highest of each of ``values`` over the ranks of ``group``, from one
+    all-reduce (max over ``[x, -x]``): equal on every rank where the ranks agree.
+    Collective: every rank calls it with as many values."""
+    probe = torch.tensor([v for value in values for v in (int(value), -int(value))])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    return [(-int(probe[2 * i + 1]), int(probe[2 * i])) for i in range(len(values))]
+
+
 def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """A new process group of ``group``'s ranks (default: every rank) with its collective
     timeout, for traffic that must not queue behind ``group``'s (a collective of every

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import Communicator, sibling_group
+from thinwire.comm.collectives import Communicator, sibling_group, value_ranges
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, _digest, gradient_of
 from thinwire.comm.optimizer import DistributedOptimizer
-from thinwire.compress.base import Compressor, Memory, Request, all_finite
+from thinwire.compress.base import Compressor, Memory, all_finite
 from thinwire.compress.feedback import NoMemory
 from thinwire.dp.replay import (
     ConsensusReplay,
@@ -519,7 +519,7 @@ def _agree_on_settings(
     engine: GradientExchange, delay: int, lanes: int, optimizer: torch.optim.Optimizer
 ) -> None:
     """Check that every rank uses the same delay, lanes and optimizer (class and every
-    group's settings), with one max over ``[x, -x]`` for each; all ranks raise
+    group's settings), in one all-reduce (:func:`value_ranges`); all ranks raise
     :class:`RankMismatchError` naming what differs. Collective: every rank calls it."""
     settings = repr(
         [type(optimizer).__name__]
@@ -528,17 +528,18 @@ def _agree_on_settings(
             for g in optimizer.param_groups
         ]
     )
-    mine = [delay, lanes, _digest(settings)]
-    probe = torch.tensor([v for value in mine for v in (value, -value)], dtype=torch.int64)
-    answer = engine.communicator.execute([Request.max(probe)]).answers[0][0]
-    problems = []
-    for index, (name, value) in enumerate(zip(("delay", "lanes"), mine, strict=False)):
-        highest, lowest = int(answer[2 * index]), -int(answer[2 * index + 1])
-        if highest != lowest:
-            problems.append(
-                f"this rank has {name}={value}, the ranks' range from {lowest} to {highest}"
-            )
-    if int(answer[4]) != -int(answer[5]):
+    (delays, lane_counts, digests) = value_ranges(
+        [delay, lanes, _digest(settings)], engine.communicator.group
+    )
+    problems = [
+        f"this rank has {name}={value}, the ranks' range from {lowest} to {highest}"
+        for name, value, (lowest, highest) in (
+            ("delay", delay, delays),
+            ("lanes", lanes, lane_counts),
+        )
+        if lowest != highest
+    ]
+    if digests[0] != digests[1]:
         problems.append(
             f"the ranks' optimizers differ in class or settings (this rank: "
             f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s))"

@@ -229,6 +229,17 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
     return merged
 
 
+def check_servers(name: str, options: Mapping[str, Any], workers: int) -> None:
+    """Refuse more parameter-server shards than workers: ``thinwire bench`` and ``thinwire
+    plan`` run the servers inside worker ranks (colocated), at most one per rank."""
+    servers = options.get("servers", 0)
+    if servers > workers:
+        raise ValueError(
+            f"{name}: {servers} server(s) for {workers} worker(s); the servers run inside "
+            "worker ranks, so use at most one per worker"
+        )
+
+
 def split_communicator(options: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """A thinwire method's options without ``communicator``, and the communicator
     (``"auto"`` unless given): the one option that configures the exchange, not the

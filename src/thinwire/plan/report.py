@@ -22,7 +22,7 @@ from thinwire.plan.cost import (
     format_rate,
     plan,
 )
-from thinwire.plan.methods import DEFAULT_PLAN_METHODS, method_options
+from thinwire.plan.methods import DEFAULT_PLAN_METHODS, check_servers, method_options
 
 #: the method that break-even bandwidths are measured against
 REFERENCE = "dense"
@@ -88,11 +88,7 @@ def parse_request(
         chosen.update(given)
     for name, opts in chosen.items():
         chosen[name] = method_options(name, opts)
-        if chosen[name].get("servers", 0) > workers:
-            raise ValueError(
-                f"{name}: {chosen[name]['servers']} server(s) for {workers} worker(s); the "
-                "servers run inside worker ranks, so use at most one per worker"
-            )
+        check_servers(name, chosen[name], workers)
     try:
         built = json.loads(task_options) if task_options else {}
     except json.JSONDecodeError as error:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import sibling_group
+from thinwire.comm.collectives import sibling_group, value_ranges
 from thinwire.errors import RankMismatchError
 
 
@@ -451,17 +451,17 @@ class _Lookup(torch.autograd.Function):
 
 def _agree_on_table(table: ShardedEmbedding) -> None:
     """Check that every rank builds the same table (rows, width, overlap, sparse
-    gradients: the lookups' messages and process groups depend on them), with one max over
-    ``[x, -x]`` of each; all ranks raise :class:`~thinwire.RankMismatchError` naming what
-    differs. Collective over its group."""
+    gradients: the lookups' messages and process groups depend on them), in one
+    all-reduce (:func:`~thinwire.comm.collectives.value_ranges`); all ranks raise
+    :class:`~thinwire.RankMismatchError` naming what differs. Collective over its group."""
     names = ("num_embeddings", "embedding_dim", "overlap", "sparse_grad")
     mine = [table.num_embeddings, table.embedding_dim, table.overlap, table.sparse_grad]
-    probe = torch.tensor([v for value in mine for v in (int(value), -int(value))])
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=table.group)
     problems = [
-        f"{name}={value} here, {-int(probe[2 * i + 1])} to {int(probe[2 * i])} over the ranks"
-        for i, (name, value) in enumerate(zip(names, mine, strict=True))
-        if int(probe[2 * i]) != -int(probe[2 * i + 1])
+        f"{name}={value} here, {lowest} to {highest} over the ranks"
+        for name, value, (lowest, highest) in zip(
+            names, mine, value_ranges(mine, table.group), strict=True
+        )
+        if lowest != highest
     ]
     if problems:
         raise RankMismatchError(
