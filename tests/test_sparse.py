@@ -210,29 +210,76 @@ def _misuse_prefetch(rank: int, world: int) -> list[str]:
     return messages
 
 
-def _different_tables(rank: int, world: int, option: str) -> str:
+def _different_tables(rank: int, world: int, layout: str, option: str) -> str:
     rows, width = VOCAB, DIM
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"seed": 3}
     if rank == 1:
         if option == "num_embeddings":
             rows += 20
         elif option == "embedding_dim":
             width += 2
+        elif option == "seed":
+            kwargs["seed"] = 4
         else:
             kwargs[option] = True
+    build = ShardedEmbedding if layout == "sharded" else AllGatherEmbedding
     try:
-        ShardedEmbedding(rows, width, seed=3, **kwargs).close()
+        build(rows, width, **kwargs).close()
     except thinwire.RankMismatchError as error:
         return str(error)
     return "no error"
 
 
-@pytest.mark.parametrize("option", ["num_embeddings", "embedding_dim", "sparse_grad"])
-def test_ranks_building_different_tables_are_refused(pool2, option: str) -> None:
-    """Rows: a later lookup failed on one rank and timed out on the other; width: gloo
-    aborted the process."""
-    for message in pool2.run(_different_tables, option):
-        assert "ranks build different sharded tables" in message and option in message, message
+@pytest.mark.parametrize(
+    ("layout", "option"),
+    [
+        ("sharded", "num_embeddings"),
+        ("sharded", "embedding_dim"),
+        ("sharded", "sparse_grad"),
+        ("allgather", "num_embeddings"),
+        ("allgather", "embedding_dim"),
+        ("allgather", "seed"),
+    ],
+)
+def test_ranks_building_different_tables_are_refused(pool2, layout: str, option: str) -> None:
+    """Sharded rows: a later lookup failed on one rank and timed out on the other; width:
+    gloo aborted the process. All-gather rows or width: the same at the first backward;
+    seed: the replicas differed for good, silently."""
+    kind = "sharded tables" if layout == "sharded" else "all-gather tables"
+    for message in pool2.run(_different_tables, layout, option):
+        assert f"ranks build different {kind}" in message and option in message, message
+
+
+def _table_survivor_or_casualty(rank: int, port: int, layout: str, results: Any) -> None:
+    """Rank 1 stops answering after two steps; rank 0 must get a CommunicationError."""
+    import os
+    import time
+
+    from thinwire.launch import init_local_group
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    init_local_group(rank, 2, port, timeout_s=4)
+    build = ShardedEmbedding if layout == "sharded" else AllGatherEmbedding
+    table = build(VOCAB, DIM, seed=3)
+    for step in range(6):
+        if rank == 1 and step == 2:
+            time.sleep(30)  # alive but silent: only the timeout can tell
+            os._exit(0)
+        try:
+            table(_ids(rank, step)).sum().backward()
+        except thinwire.CommunicationError as error:
+            results.put(("error", step, str(error)))
+            return
+    results.put(("finished", 6, ""))
+
+
+@pytest.mark.parametrize("layout", ["sharded", "allgather"])
+def test_a_stalled_peer_gives_a_communication_error(layout: str, first_report: Any) -> None:
+    """Before, the survivor got gloo's bare 'Timed out waiting ... for recv'."""
+    kind, step, message = first_report(_table_survivor_or_casualty, layout)
+    assert kind == "error" and step == 2, (kind, step, message)
+    assert "peer rank has probably died" in message and "table" in message, message
+    assert "timeout: 0:00:04" in message
 
 
 def test_prefetch_misuse_is_refused_with_a_reason(pool2) -> None:

@@ -115,14 +115,7 @@ class Communicator(ABC):
 
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Call one ``torch.distributed`` collective; turn its failure into a clear error."""
-        try:
-            fn(*args, group=self.group, **kwargs)
-        except RuntimeError as error:
-            raise CommunicationError(
-                f"a {self.name} collective on rank {self.rank} of {self.world_size} failed or "
-                f"timed out (process group timeout: {self.timeout}): a peer rank has probably "
-                f"died, diverged or stalled; check the other ranks' output. ({error})"
-            ) from error
+        run_collective(f"a {self.name} collective", fn, *args, group=self.group, **kwargs)
 
     @abstractmethod
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult: ...
@@ -291,6 +284,23 @@ def _ring_allgather_traffic(nbytes: int, world: int) -> Traffic:
     return Traffic(payload=nbytes, sent=wire, received=wire, collectives=1)
 
 
+def run_collective(
+    what: str, fn: Any, *args: Any, group: dist.ProcessGroup | None = None, **kwargs: Any
+) -> Any:
+    """Call the ``torch.distributed`` collective ``fn(*args, group=group, **kwargs)``; if it
+    fails or times out (a peer died, diverged or stalled), raise
+    :class:`~thinwire.errors.CommunicationError` naming ``what`` it was, this rank and the
+    group's timeout, instead of the backend's bare message."""
+    try:
+        return fn(*args, group=group, **kwargs)
+    except RuntimeError as error:
+        raise CommunicationError(
+            f"{what} on rank {dist.get_rank(group)} of {dist.get_world_size(group)} failed or "
+            f"timed out (process group timeout: {_group_timeout(group)}): a peer rank has "
+            f"probably died, diverged or stalled; check the other ranks' output. ({error})"
+        ) from error
+
+
 def value_ranges(
     values: Sequence[int], group: dist.ProcessGroup | None = None
 ) -> list[tuple[int, int]]:
@@ -298,7 +308,7 @@ def value_ranges(
     all-reduce (max over ``[x, -x]``): equal on every rank where the ranks agree.
     Collective: every rank calls it with as many values."""
     probe = torch.tensor([v for value in values for v in (int(value), -int(value))])
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    run_collective("a settings check", dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
     return [(-int(probe[2 * i + 1]), int(probe[2 * i])) for i in range(len(values))]
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from thinwire.comm.collectives import Communicator, Traffic, make_communicator
+from thinwire.comm.collectives import Communicator, Traffic, make_communicator, run_collective
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
     Compressor,
@@ -320,7 +320,9 @@ class GradientExchange:
         setup = f"{self.compressor!r}|{self.communicator.name}|{type(self.memory).__name__}"
         mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.communicator.group)
+        run_collective(
+            "the setup check", dist.all_gather, everyone, mine, group=self.communicator.group
+        )
         problems = []
         for rank, theirs in enumerate(everyone):
             if theirs[0] != mine[0]:

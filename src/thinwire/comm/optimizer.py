@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.comm.collectives import Communicator
+from thinwire.comm.collectives import Communicator, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
 from thinwire.compress.base import Compressor, Memory
 from thinwire.compress.registry import compressor as build_compressor
@@ -73,10 +73,11 @@ class DistributedOptimizer:
         self.engine = GradientExchange(built, communicator=communicator, memory=memory, group=group)
         self.engine.verify(self.parameters)
         if broadcast_parameters:
+            root = dist.get_global_rank(group, 0) if group else 0
             with torch.no_grad():
-                for _, p in self.parameters:
-                    dist.broadcast(
-                        p.data, src=dist.get_global_rank(group, 0) if group else 0, group=group
+                for name, p in self.parameters:
+                    run_collective(
+                        f"the broadcast of {name!r}", dist.broadcast, p.data, src=root, group=group
                     )
         self.buckets = _buckets(self.parameters, int(bucket_cap_mb * 2**20))
         #: the model, to find parameters that gain a gradient later (frozen, then unfrozen)

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import sibling_group
-from thinwire.sparse.embedding import SparseTraffic, check_ids, check_table
+from thinwire.comm.collectives import run_collective, sibling_group
+from thinwire.sparse.embedding import SparseTraffic, agree_on_table, check_ids, check_table
 
 
 class AllGatherEmbedding(nn.Module):
@@ -57,6 +57,13 @@ class AllGatherEmbedding(nn.Module):
         self.group = group
         self.world = dist.get_world_size(group)
         self.sparse_grad = sparse_grad
+        self.overlap, self.seed = overlap, seed
+        # replicas drawn from different seeds would differ for good, without an error
+        agree_on_table(
+            self,
+            ("num_embeddings", "embedding_dim", "overlap", "sparse_grad", "seed"),
+            "all-gather tables",
+        )
         self._group = sibling_group(group) if overlap else group
         generator = torch.Generator().manual_seed(seed)
         self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim, generator=generator))
@@ -73,7 +80,13 @@ class AllGatherEmbedding(nn.Module):
         """Every rank's (ids, row gradients), concatenated in rank order (collective)."""
         count = unique.new_tensor([unique.numel()])
         counts = [torch.empty_like(count) for _ in range(self.world)]
-        dist.all_gather(counts, count, group=self._group)
+        run_collective(
+            "an all-gather table's count exchange",
+            dist.all_gather,
+            counts,
+            count,
+            group=self._group,
+        )
         sizes = [int(c) for c in counts]
         # one all-gather for ids and rows together: both as raw bytes, any dtype intact
         id_bytes = unique.element_size()
@@ -88,7 +101,13 @@ class AllGatherEmbedding(nn.Module):
             grads.contiguous().view(torch.uint8).view(-1, row_bytes)
         )
         gathered = [torch.empty_like(packed) for _ in range(self.world)]
-        dist.all_gather(gathered, packed, group=self._group)
+        run_collective(
+            "an all-gather table's row exchange",
+            dist.all_gather,
+            gathered,
+            packed,
+            group=self._group,
+        )
         self.traffic.ids = (unique.numel() + 1) * id_bytes
         self.traffic.grads = grads.numel() * grads.element_size()
         every = torch.cat([g[:n] for g, n in zip(gathered, sizes, strict=True)])

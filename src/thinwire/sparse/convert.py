@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from thinwire.comm.collectives import run_collective
 from thinwire.sparse.allgather import AllGatherEmbedding
 from thinwire.sparse.embedding import ShardedEmbedding
 
@@ -115,7 +116,8 @@ def _replace(
     replaced = []
     for name, module in embeddings:
         table = module.weight.detach().clone()
-        dist.broadcast(table, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        root = dist.get_global_rank(group, 0) if group else 0
+        run_collective(f"the broadcast of {name!r}", dist.broadcast, table, src=root, group=group)
         sparse = build(module).to(device=table.device, dtype=table.dtype)
         if isinstance(sparse, ShardedEmbedding):
             sparse.load_full_weight(table)

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import sibling_group, value_ranges
+from thinwire.comm.collectives import run_collective, sibling_group, value_ranges
 from thinwire.errors import RankMismatchError
 
 
@@ -201,7 +201,9 @@ class ShardedEmbedding(nn.Module):
         self.rank = dist.get_rank(group)
         self.sparse_grad = sparse_grad
         self.overlap = overlap
-        _agree_on_table(self)
+        agree_on_table(
+            self, ("num_embeddings", "embedding_dim", "overlap", "sparse_grad"), "sharded tables"
+        )
         if overlap:
             self._lookup_group = sibling_group(group)
             self._prefetch_group = sibling_group(group)
@@ -279,10 +281,20 @@ class ShardedEmbedding(nn.Module):
         order = torch.argsort(owners, stable=True)
         send = torch.bincount(owners, minlength=self.world)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        run_collective(
+            "a sharded table's id-count exchange", dist.all_to_all_single, recv, send, group=group
+        )
         send_counts, recv_counts = send.tolist(), recv.tolist()
         wanted = unique.new_empty(sum(recv_counts))
-        dist.all_to_all_single(wanted, unique[order], recv_counts, send_counts, group=group)
+        run_collective(
+            "a sharded table's id exchange",
+            dist.all_to_all_single,
+            wanted,
+            unique[order],
+            recv_counts,
+            send_counts,
+            group=group,
+        )
         id_bytes = (unique.numel() + self.world) * 8
         served = wanted // self.world
         return Route(unique, inverse, order, send_counts, recv_counts, served, id_bytes)
@@ -320,8 +332,14 @@ class ShardedEmbedding(nn.Module):
     def exchange_rows(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
         """``all_to_all_single`` of ``(n, D)`` rows with uneven splits (collective)."""
         out = rows.new_empty(sum(recv_counts), self.embedding_dim)
-        dist.all_to_all_single(
-            out, rows.contiguous(), recv_counts, send_counts, group=self._lookup_group
+        run_collective(
+            "a sharded table's row exchange",
+            dist.all_to_all_single,
+            out,
+            rows.contiguous(),
+            recv_counts,
+            send_counts,
+            group=self._lookup_group,
         )
         return out
 
@@ -354,7 +372,7 @@ class ShardedEmbedding(nn.Module):
         mine = shard.new_zeros(max(counts), *shard.shape[1:])
         mine[: shard.shape[0]] = shard
         shards = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(shards, mine, group=self.group)
+        run_collective("a sharded table's gather", dist.all_gather, shards, mine, group=self.group)
         full = shard.new_empty(self.num_embeddings, *shard.shape[1:])
         for r, (gathered, count) in enumerate(zip(shards, counts, strict=True)):
             full[r :: self.world] = gathered[:count]
@@ -449,13 +467,13 @@ class _Lookup(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _agree_on_table(table: ShardedEmbedding) -> None:
-    """Check that every rank builds the same table (rows, width, overlap, sparse
-    gradients: the lookups' messages and process groups depend on them), in one
-    all-reduce (:func:`~thinwire.comm.collectives.value_ranges`); all ranks raise
-    :class:`~thinwire.RankMismatchError` naming what differs. Collective over its group."""
-    names = ("num_embeddings", "embedding_dim", "overlap", "sparse_grad")
-    mine = [table.num_embeddings, table.embedding_dim, table.overlap, table.sparse_grad]
+def agree_on_table(table: nn.Module, names: tuple[str, ...], kind: str) -> None:
+    """Check that every rank builds the same table: the integer or bool attributes
+    ``names`` of ``table`` (rows, width, ...: the lookups' messages and process groups
+    depend on them), in one all-reduce (:func:`~thinwire.comm.collectives.value_ranges`);
+    all ranks raise :class:`~thinwire.RankMismatchError` naming what differs. ``kind``
+    names the table in the message. Collective over ``table.group``."""
+    mine = [int(getattr(table, name)) for name in names]
     problems = [
         f"{name}={value} here, {lowest} to {highest} over the ranks"
         for name, value, (lowest, highest) in zip(
@@ -465,7 +483,7 @@ def _agree_on_table(table: ShardedEmbedding) -> None:
     ]
     if problems:
         raise RankMismatchError(
-            f"ranks build different sharded tables (seen from rank {table.rank}): "
+            f"ranks build different {kind} (seen from rank {dist.get_rank(table.group)}): "
             f"{'; '.join(problems)}. Every rank must build the same model, with the same "
             "table sizes and options."
         )
