@@ -270,7 +270,13 @@ def checkpoint_and_resume(rank: int, world: int, run: Run) -> dict[str, Any]:
     resumed.load_state_dict(checkpoint["ps"])
     _steps(resumed, resumed_model, range(3, 6))
     resumed.close()
+    try:  # refused at once (it used to wait out the whole timeout for closed shards)
+        resumed.step()
+        after_close = "no error"
+    except RuntimeError as error:
+        after_close = str(error)
     out: dict[str, Any] = {
+        "after_close": after_close,
         "at_checkpoint": at_checkpoint,
         "straight": _flat(model),
         "resumed": _flat(resumed_model),
@@ -302,6 +308,7 @@ def test_a_synchronous_checkpoint_resumes_exactly(pool, compressor: str, options
     for result in results:
         np.testing.assert_array_equal(result["resumed"], result["straight"])
         assert np.abs(result["straight"] - result["at_checkpoint"]).max() > 1e-3
+        assert "step() after close()" in result["after_close"], result["after_close"]
 
 
 def test_an_asynchronous_checkpoint_is_a_barrier_and_resumes_the_clocks(pool4) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.comm.collectives import _group_timeout
+from thinwire.comm.collectives import _group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
 from thinwire.compress.base import Compressor, Memory, is_real
 from thinwire.compress.registry import compressor as build_compressor
@@ -134,7 +134,13 @@ class ParameterServer:
         with torch.no_grad():  # every rank starts from rank 0's parameters
             root = dist.get_global_rank(group, 0) if group is not None else 0
             for _, p in self.parameters:
-                dist.broadcast(p.data, src=root, group=group)
+                run_collective(
+                    "the broadcast of rank 0's parameters",
+                    dist.broadcast,
+                    p.data,
+                    src=root,
+                    group=group,
+                )
 
         local_ends: dict[int, Channel] = {}
         self._local: LocalPair | None = None
@@ -183,7 +189,7 @@ class ParameterServer:
         setup = f"{compressor!r}|{self.mode}|{self.staleness}|{self.servers}|{colocated}"
         mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(everyone, mine, group=group)
+        run_collective("the setup check", dist.all_gather, everyone, mine, group=group)
         problems = [
             f"rank {r} has different parameters (names, shapes or dtypes)"
             if theirs[0] != mine[0]
@@ -248,6 +254,12 @@ class ParameterServer:
     def step(self) -> None:
         """Push this worker's gradients to every shard, then pull the new parameters."""
         self._check_usable()
+        if self._closed:  # its shards no longer answer: it would wait out the whole timeout
+            raise RuntimeError(
+                "ParameterServer.step() after close(): this worker told every shard it was "
+                "done. Call close() once, after the last step (build a new ParameterServer "
+                "to train on)"
+            )
         self._open()
         if not self.is_worker:
             raise RuntimeError("step() on a dedicated server rank: only workers train")
