@@ -286,6 +286,39 @@ def test_gather_only_compressor_over_allreduce_names_both(pool2) -> None:
         assert "'topk'" in message and "'allreduce'" in message and "allgather" in message
 
 
+class WithEmptyParameters(nn.Module):
+    """A linear layer beside parameters with no entries (a 0-row matrix, an empty bias),
+    as pruned or configurable models end up with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.no_rows = nn.Parameter(torch.zeros(0, 5))
+        self.no_entries = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sum() + self.no_rows.sum() + self.no_entries.sum()
+
+
+def train_with_empty_parameters(rank: int, world: int, name: str) -> list[float]:
+    torch.manual_seed(rank)
+    model = WithEmptyParameters()
+    opt = thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, name)
+    for _ in range(2):
+        model(torch.randn(3, 8)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.linear.weight.detach().flatten().tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(thinwire.compressors()))
+def test_every_compressor_trains_beside_empty_parameters(pool2, name: str) -> None:
+    """top-k asked for one of zero entries and crashed ("selected index k out of range")."""
+    first, second = pool2.run(train_with_empty_parameters, name)
+    assert first == second  # and the ranks agree on what they did train
+
+
 # -- a peer that dies mid-run: the survivor gets a clear error within the timeout ----------
 
 

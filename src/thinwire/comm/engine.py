@@ -234,7 +234,8 @@ class GradientExchange:
             if not all_finite(item.grad):
                 batch.not_finite.append(item.key)
             slot = Slot(item.key, self.step, self.world_size, self.rank)
-            compressed = self.compressor.compresses(item.grad)
+            # an empty tensor has nothing to compress (top-k would ask for 1 of 0 entries)
+            compressed = item.grad.numel() > 0 and self.compressor.compresses(item.grad)
             chosen = self.compressor if compressed else self.dense
             corrected = self.memory.compensate(item.grad, slot, item.param)
             run = _Run(slot, compressed, corrected, chosen.exchange(corrected, slot))
