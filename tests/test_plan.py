@@ -445,6 +445,11 @@ def test_method_table() -> None:
         method_options("dense", {"rank": 4})
     with pytest.raises(ValueError, match="density"):
         method_options("dgc", {"density": 2.0})
+    # the error names the option as the user spelled it
+    with pytest.raises(ValueError, match=r"ddp-powersgd: rank must be an integer >= 1, got 0"):
+        method_options("ddp-powersgd", {"rank": 0})
+    with pytest.raises(ValueError, match=r"matrix_approximation_rank must be .*, got 2\.5"):
+        method_options("ddp-powersgd", {"matrix_approximation_rank": 2.5})
 
 
 # -- the command ----------------------------------------------------------------------------

@@ -225,7 +225,8 @@ def method_options(name: str, options: Mapping[str, Any] | None = None) -> dict[
     if kind is Kind.DDP_POWERSGD:
         rank = merged["matrix_approximation_rank"]
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {rank!r}")
+            spelled = "rank" if "rank" in (options or {}) else "matrix_approximation_rank"
+            raise ValueError(f"ddp-powersgd: {spelled} must be an integer >= 1, got {rank!r}")
     return merged
 
 
