@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 BUCKET_MB = 1e-4  # about 105 bytes: the 4 parameters of the model go in 4 buckets
 #: a learning-rate schedule that changes every step, so the correction's lr matters
 SCHEDULE = (0.1, 0.05, 0.2, 0.1, 0.15, 0.08, 0.12, 0.1)
+MOMENTA = (0.85, 0.95, 0.9, 0.8, 0.95)  # per step, as OneCycleLR cycles it
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Run:
     subset: bool = False  # average only the first layer; the optimizer steps every layer
     tensor_lr: bool = False  # the learning rate is a tensor, updated in place
     weight_decay: float = 0.0  # SGD's
+    momentum_schedule: bool = False  # the momentum changes every step, as OneCycleLR's
 
 
 def _model() -> nn.Module:
@@ -119,6 +121,8 @@ def train(rank: int, world: int, run: Run) -> dict:
                 group["lr"].fill_(lr)  # as torch's schedulers update a tensor rate
             else:
                 group["lr"] = lr
+            if run.momentum_schedule:
+                group["momentum"] = MOMENTA[step % len(MOMENTA)]
         data = torch.Generator().manual_seed(1000 * step + (0 if run.same_data else rank + 1))
         x, y = torch.randn(5, 6, generator=data), torch.randn(5, 3, generator=data)
         opt.zero_grad()
@@ -197,6 +201,36 @@ def test_weight_decay_is_corrected_too_so_ranks_agree_after_flush(pool2, momentu
     assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
 
 
+@pytest.mark.parametrize("delay", [1, 3])
+def test_a_momentum_schedule_is_followed_so_ranks_agree_after_flush(pool2, delay: int) -> None:
+    """OneCycleLR changes SGD's momentum every step; the correction used the momentum the
+    optimizer was built with, and the ranks ended 0.05 apart."""
+    records = pool2.run(train, Run(delay=delay, momentum=0.9, momentum_schedule=True))
+    np.testing.assert_allclose(records[1]["final"], records[0]["final"], rtol=0, atol=1e-6)
+    assert np.abs(records[0]["weights"][-1] - records[1]["weights"][-1]).max() > 1e-3
+
+
+def _switch_momentum_off(rank: int, world: int) -> str:
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = thinwire.DelayedAveraging(sgd, model, delay=1)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    sgd.param_groups[0]["momentum"] = 0.0
+    try:
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    finally:
+        opt.flush()
+    return "no error"
+
+
+def test_switching_momentum_off_is_refused_with_what_to_do(pool2) -> None:
+    for message in pool2.run(_switch_momentum_off):
+        assert "momentum is 0 now but was 0.9" in message and "not switch it on or off" in message
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rates=st.lists(
@@ -204,20 +238,22 @@ def test_weight_decay_is_corrected_too_so_ranks_agree_after_flush(pool2, momentu
         min_size=1,
         max_size=6,
     ),
-    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    momenta=st.sampled_from([[0.0], [0.5], [0.9], [0.85, 0.9, 0.95], [0.95, 0.5]]),
     delta=st.floats(-2.0, 2.0).filter(lambda d: abs(d) > 0.1),
 )
 def test_correction_coefficients_are_what_torch_sgd_does_with_a_changed_gradient(
-    rates, momentum, delta
+    rates, momenta, delta
 ) -> None:
     """Run torch's SGD over the same gradients twice, the first one changed by ``delta``:
-    the weights and buffer end ``a * delta`` and ``b * delta`` apart."""
+    the weights and buffer end ``a * delta`` and ``b * delta`` apart (with the momentum
+    constant, or changing every step as a schedule changes it)."""
+    steps = [(lr, decay, momenta[i % len(momenta)]) for i, (lr, decay) in enumerate(rates)]
 
     def run(first_change: float) -> tuple[float, float]:
         w = torch.tensor([0.7], dtype=torch.float64, requires_grad=True)
-        sgd = torch.optim.SGD([w], lr=rates[0][0], momentum=momentum)
-        for step, (lr, decay) in enumerate(rates):
-            sgd.param_groups[0].update(lr=lr, weight_decay=decay)
+        sgd = torch.optim.SGD([w], lr=rates[0][0], momentum=momenta[0])
+        for step, (lr, decay, momentum) in enumerate(steps):
+            sgd.param_groups[0].update(lr=lr, weight_decay=decay, momentum=momentum)
             change = first_change if step == 0 else 0.0
             w.grad = torch.tensor([0.3 - 0.1 * step + change], dtype=torch.float64)
             sgd.step()
@@ -225,9 +261,9 @@ def test_correction_coefficients_are_what_torch_sgd_does_with_a_changed_gradient
         return float(w.detach()), float(buf) if buf is not None else 0.0
 
     (w0, b0), (w1, b1) = run(0.0), run(delta)
-    moved, carried = correction_coefficients(rates, momentum)
+    moved, carried = correction_coefficients(steps)
     assert w1 - w0 == pytest.approx(moved * delta, rel=1e-9, abs=1e-12)
-    if momentum:
+    if momenta[0]:
         assert b1 - b0 == pytest.approx(carried * delta, rel=1e-9, abs=1e-12)
 
 

@@ -47,11 +47,11 @@ from thinwire.errors import NonFiniteGradientError, RankMismatchError
 class _Pending:
     """One step whose correction is not applied yet: per bucket, the buffers that hold this
     rank's gradients and, once the future resolves, ``avg - own``; the learning rate and
-    weight decay of every parameter group when the local step was taken."""
+    weight decay and momentum of every parameter group when the local step was taken."""
 
     deltas: list[list[Tensor]]
     futures: list[torch.futures.Future]
-    rates: list[tuple[float, float]]
+    rates: list[tuple[float, float, float]]
     step: int = 0
     #: replay only: this rank's gradients (by parameter id) and the groups' settings
     own: dict[int, Tensor] | None = None
@@ -82,11 +82,12 @@ class DelayedAveraging:
     done through the momentum buffer and the decay: SGD's step is affine in the gradient,
     the weights and the buffer, so ``delta`` at step t moves them by ``a * delta`` and
     ``b * delta`` after the local steps ``t .. t+j``, with ``a`` and ``b`` from
-    :func:`correction_coefficients` (without decay ``a = -sum_k lr_{t+k} m^k`` and
-    ``b = m^j``). Once every correction is in (after :meth:`flush`) each rank has applied
-    exactly the averaged gradients, through the same momentum and decay: the ranks hold
-    the same weights and buffers, up to rounding. DGC applies its momentum in its memory,
-    before the exchange, so it is exact as well.
+    :func:`correction_coefficients` (without decay and with a constant momentum
+    ``a = -sum_k lr_{t+k} m^k`` and ``b = m^j``; a schedule that changes the momentum, as
+    OneCycleLR does, is followed step by step). Once every correction is in (after
+    :meth:`flush`) each rank has applied exactly the averaged gradients, through the same
+    momentum and decay: the ranks hold the same weights and buffers, up to rounding. DGC
+    applies its momentum in its memory, before the exchange, so it is exact as well.
 
     Other optimizers (Adam, AdamW, RMSprop, SGD with Nesterov momentum or dampening) have
     no closed-form correction: their step is not linear in the gradient. For them each rank
@@ -161,8 +162,8 @@ class DelayedAveraging:
         _agree_on_settings(self.engine, delay, lanes, optimizer)
         self._lanes = [self.engine, *self._extra_lanes(lanes, group)]
         self._started = 0  # steps whose exchange has been started
-        #: per group, (learning rate, weight decay) of the last D + 1 local steps
-        self._rate_history: collections.deque[list[tuple[float, float]]] = collections.deque(
+        #: per group, (learning rate, weight decay, momentum) of the last D + 1 local steps
+        self._rate_history: collections.deque[list[tuple[float, float, float]]] = collections.deque(
             maxlen=delay + 1
         )
         self._momenta = [_exact_momentum(optimizer, group) for group in optimizer.param_groups]
@@ -349,6 +350,7 @@ class DelayedAveraging:
         ``DistributedOptimizer``, so every rank issues the same collectives and steps the
         same parameters."""
         self._sync.check_no_new_gradients()
+        rates = self._step_rates()  # before any exchange starts: it may refuse the step
         buckets: list[list[GradientItem]] = []
         engine = self._lanes[self._started % len(self._lanes)]
         with torch.no_grad():
@@ -362,10 +364,6 @@ class DelayedAveraging:
         futures = [torch.futures.Future() for _ in buckets]
         engine.submit(partial(self._exchange, engine, buckets, futures))
         self._started += 1
-        rates = [
-            (float(param_group["lr"]), float(param_group.get("weight_decay", 0.0)))
-            for param_group in self.optimizer.param_groups
-        ]
         deltas = [[item.grad for item in items] for items in buckets]
         pending = _Pending(deltas, futures, rates, step=self._started - 1)
         if self._replay is not None:
@@ -411,6 +409,30 @@ class DelayedAveraging:
                     future.set_exception(error)
             raise
 
+    def _step_rates(self) -> list[tuple[float, float, float]]:
+        """Each group's (learning rate, weight decay, momentum) for the local step about to
+        be taken. Schedules may change all three (OneCycleLR cycles the momentum), but a
+        group's momentum may not switch on or off: SGD then creates or drops its buffer,
+        which the closed-form correction cannot follow."""
+        rates = []
+        for index, param_group in enumerate(self.optimizer.param_groups):
+            momentum = _exact_momentum(self.optimizer, param_group)
+            if bool(momentum) != bool(self._momenta[index]):
+                raise ValueError(
+                    f"DelayedAveraging: parameter group {index}'s momentum is {momentum:g} now "
+                    f"but was {self._momenta[index]:g} when it was built; a schedule may "
+                    "change a momentum between non-zero values, not switch it on or off. "
+                    "Build the optimizer with the momentum setting the whole run uses."
+                )
+            rates.append(
+                (
+                    float(param_group["lr"]),
+                    float(param_group.get("weight_decay", 0.0)),
+                    momentum,
+                )
+            )
+        return rates
+
     def _correct(self, pending: _Pending) -> None:
         """Wait for one step's exchange and apply ``delta = avg - own`` as if step t had
         used the average: after the local steps t .. t+j, with each group's momentum and
@@ -423,7 +445,7 @@ class DelayedAveraging:
         recent = list(self._rate_history)[-taken:]
         scales, carries = [], []
         for index, momentum in enumerate(self._momenta):
-            moved, carried = correction_coefficients([rates[index] for rates in recent], momentum)
+            moved, carried = correction_coefficients([rates[index] for rates in recent])
             scales.append(moved)
             carries.append(carried if momentum else 0.0)
         for bucket, deltas, future in zip(
@@ -476,21 +498,21 @@ def _wait(future: torch.futures.Future) -> None:
         ) from error
 
 
-def correction_coefficients(
-    rates: list[tuple[float, float]], momentum: float
-) -> tuple[float, float]:
+def correction_coefficients(rates: list[tuple[float, float, float]]) -> tuple[float, float]:
     """How far a gradient change ``delta`` at the first of these SGD steps moves the weights
     and the momentum buffer by the end of the last: ``(a, b)`` with ``w += a * delta`` and
-    ``buf += b * delta``. ``rates`` holds each step's (learning rate, weight decay).
+    ``buf += b * delta``. ``rates`` holds each step's (learning rate, weight decay,
+    momentum); the momentum may change from step to step, as under OneCycleLR.
 
-    SGD (heavy ball, no dampening) steps ``buf_s = m buf_{s-1} + g_s + wd w_s`` and
+    SGD (heavy ball, no dampening) steps ``buf_s = m_s buf_{s-1} + g_s + wd_s w_s`` and
     ``w_{s+1} = w_s - lr_s buf_s``, affine in ``(w, buf, g)`` with the same coefficients for
     every entry, so the change propagates as two scalars: at step t ``dbuf = 1`` and
     ``dw = -lr_t``; at each later step ``dbuf = m dbuf + wd dw``, then ``dw -= lr dbuf``.
-    Without weight decay ``a = -sum_k lr_{t+k} m^k`` and ``b = m^j``.
+    Without weight decay and with a constant momentum ``a = -sum_k lr_{t+k} m^k`` and
+    ``b = m^j``.
     """
     moved, carried = 0.0, 0.0
-    for index, (lr, weight_decay) in enumerate(rates):
+    for index, (lr, weight_decay, momentum) in enumerate(rates):
         carried = 1.0 if index == 0 else momentum * carried + weight_decay * moved
         moved -= lr * carried
     return moved, carried
