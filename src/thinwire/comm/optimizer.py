@@ -115,7 +115,11 @@ class DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Average every gradient over the ranks, in place. Parameters without a gradient
-        on this rank contribute zeros, so every rank issues the same collectives."""
+        on this rank contribute zeros, so every rank issues the same collectives (a rank
+        with nothing to learn from, e.g. out of data, can still take part). A parameter no
+        rank gave a gradient is then stepped with zeros, so its momentum and weight decay
+        still act, where a local optimizer would skip it: build the wrapper over the
+        parameters that train (``requires_grad=False`` on those that never do)."""
         self.check_no_new_gradients()
         buckets = []
         for bucket in self.buckets:
