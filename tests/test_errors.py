@@ -319,6 +319,25 @@ def test_every_compressor_trains_beside_empty_parameters(pool2, name: str) -> No
     assert first == second  # and the ranks agree on what they did train
 
 
+def frozen_after_ddp_was_built(rank: int, world: int) -> list[float]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = DDP(net, find_unused_parameters=True)
+    net[0].weight.requires_grad_(False)  # DDP's buckets still hold it
+    thinwire.register(model, "none")
+    model(torch.randn(3, 4) + rank).sum().backward()
+    assert net[0].weight.grad is None
+    return net[1].weight.grad.flatten().tolist()
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_frozen_after_ddp_was_built_is_left_alone(pool2) -> None:
+    """The hook looked parameters up among those that required gradients at register()
+    and crashed with a bare KeyError on the frozen one."""
+    first, second = pool2.run(frozen_after_ddp_was_built)
+    assert first == second
+
+
 # -- a peer that dies mid-run: the survivor gets a clear error within the timeout ----------
 
 

@@ -141,9 +141,13 @@ def test_training_equals_one_embedding_on_the_global_batch(pool, kind: str) -> N
         assert (moved[absent] == 0).all()
 
 
-def train_converted(rank: int, world: int, layout: str) -> dict[str, np.ndarray]:
+def train_converted(
+    rank: int, world: int, layout: str, front: str = "ddp"
+) -> dict[str, np.ndarray]:
     """A model with an ``nn.Embedding`` converted to ``layout``, then wrapped whole in DDP
-    (which must leave the table alone), trained with one SGD optimizer."""
+    (which must leave the table alone), trained with one SGD optimizer; ``front``: plain
+    DDP, DDP with thinwire's hook, or thinwire's optimizer wrapper without DDP (both must
+    leave the table alone too)."""
     embedding = nn.Embedding(VOCAB, DIM)
     with torch.no_grad():
         embedding.weight.copy_(torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(3)))
@@ -152,9 +156,15 @@ def train_converted(rank: int, world: int, layout: str) -> dict[str, np.ndarray]
         assert allgather_embeddings(model) == ["embedding"]
     else:
         assert shard_embeddings(model, overlap=layout != "sharded-no-overlap") == ["embedding"]
-    ddp = DistributedDataParallel(model)
-    assert ddp.parameters_to_ignore == {"embedding.weight"}
-    optimizer = _optimizer("sgd", ddp.parameters())
+    if front == "optimizer":
+        ddp: nn.Module = model
+        optimizer = thinwire.DistributedOptimizer(_optimizer("sgd", model.parameters()), model)
+    else:
+        ddp = DistributedDataParallel(model)
+        assert ddp.parameters_to_ignore == {"embedding.weight"}
+        optimizer = _optimizer("sgd", ddp.parameters())
+        if front == "register":
+            thinwire.register(ddp, "none")
     outputs = []
     for step in range(STEPS):
         out = ddp(_ids(rank, step))
@@ -175,10 +185,22 @@ def train_converted(rank: int, world: int, layout: str) -> dict[str, np.ndarray]
 
 
 @pytest.mark.parametrize(
-    "layout", ["sharded", "sharded-prefetch", "sharded-no-overlap", "allgather"]
+    ("layout", "front"),
+    [
+        ("sharded", "ddp"),
+        ("sharded-prefetch", "ddp"),
+        ("sharded-no-overlap", "ddp"),
+        ("allgather", "ddp"),
+        ("sharded", "register"),
+        ("sharded", "optimizer"),
+        ("allgather", "optimizer"),
+    ],
 )
-def test_converted_tables_under_ddp_train_as_one_embedding(pool, layout: str) -> None:
-    results = pool.run(train_converted, layout)
+def test_converted_tables_under_ddp_train_as_one_embedding(pool, layout: str, front: str) -> None:
+    """Under thinwire's hook and optimizer wrapper too: the wrapper's setup check refused
+    the ranks' different shards (37 rows over 2 or 4 ranks), and where the shards had
+    the same shape the optimizer wrapper overwrote every rank's with rank 0's."""
+    results = pool.run(train_converted, layout, front)
     expected = train_reference(len(results), "sgd")
     for rank, result in enumerate(results):
         assert result["kind"] == (
@@ -188,6 +210,22 @@ def test_converted_tables_under_ddp_train_as_one_embedding(pool, layout: str) ->
         np.testing.assert_allclose(result["head"], expected["head"], rtol=1e-5, atol=1e-6)
         mine = expected["outputs"][:, rank * BATCH : (rank + 1) * BATCH]
         np.testing.assert_allclose(result["outputs"], mine, rtol=1e-5, atol=1e-6)
+
+
+def _parameter_server_over_a_sharded_table(rank: int, world: int) -> str:
+    model = Bag(nn.Embedding(VOCAB, DIM))
+    shard_embeddings(model)
+    try:
+        thinwire.ParameterServer(_optimizer("sgd", model.parameters()), model).close()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_parameter_server_refuses_sharded_tables_with_what_to_do(pool2) -> None:
+    """Its shards hold every parameter: each rank's table shard would be overwritten."""
+    for message in pool2.run(_parameter_server_over_a_sharded_table):
+        assert "embedding.weight" in message and "dense_embeddings" in message, message
 
 
 def _misuse_prefetch(rank: int, world: int) -> list[str]:

@@ -88,7 +88,10 @@ def register(
     engine = GradientExchange(
         built, communicator=communicator, memory=memory, group=sibling_group(group)
     )
-    named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+    # the parameters DDP buckets (those frozen after DDP was built included), less those
+    # DDP leaves alone (thinwire.sparse's tables: each rank's shard differs by design)
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    named = [(n, p) for n, p in model.module.named_parameters() if n not in ignored]
     engine.verify(named)
     state = HookState(engine, {id(p): n for n, p in named}, fuse_rounds=fuse_rounds)
     model.register_comm_hook(state, compressed_hook)

@@ -24,6 +24,7 @@ from torch import nn
 
 from thinwire.comm.collectives import Communicator, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
+from thinwire.comm.parameters import averaged_parameters, ignored_names
 from thinwire.compress.base import Compressor, Memory
 from thinwire.compress.registry import compressor as build_compressor
 
@@ -65,8 +66,8 @@ class DistributedOptimizer:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         built = build_compressor(compressor, **options)
         built.check_optimizer(optimizer)
-        named = model.named_parameters() if isinstance(model, nn.Module) else model
-        self.parameters = [(name, p) for name, p in named if p.requires_grad]
+        # less the tables thinwire.sparse shards (DDP's ignore list): each rank's differs
+        self.parameters = averaged_parameters(model)
         if not self.parameters:
             raise ValueError("the model has no parameters that require gradients")
         self.optimizer = optimizer
@@ -83,6 +84,7 @@ class DistributedOptimizer:
         #: the model, to find parameters that gain a gradient later (frozen, then unfrozen)
         self._model = model if isinstance(model, nn.Module) else None
         self._averaged = {id(p) for _, p in self.parameters}
+        self._ignored = ignored_names(model)
         self.fuse_rounds = fuse_rounds
 
     @property
@@ -103,7 +105,7 @@ class DistributedOptimizer:
         new = [
             name
             for name, p in self._model.named_parameters()
-            if p.grad is not None and id(p) not in self._averaged
+            if p.grad is not None and id(p) not in self._averaged and name not in self._ignored
         ]
         if new:
             raise ValueError(

@@ -29,6 +29,7 @@ from torch import nn
 
 from thinwire.comm.collectives import _group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
+from thinwire.comm.parameters import averaged_parameters, ignored_names
 from thinwire.compress.base import Compressor, Memory, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
@@ -111,8 +112,16 @@ class ParameterServer:
                 f"{'room' if colocated else 'worker'}: use fewer servers"
                 + ("" if colocated else " or colocated=True")
             )
-        named = model.named_parameters() if isinstance(model, nn.Module) else model
-        self.parameters = [(name, p) for name, p in named if p.requires_grad]
+        left_alone = sorted(ignored_names(model))
+        if left_alone:
+            raise ValueError(
+                f"the model tells data-parallel wrappers to leave {', '.join(left_alone[:3])}"
+                f"{' ...' if len(left_alone) > 3 else ''} alone (thinwire.sparse tables, or "
+                "DDP's ignore list), but a parameter server trains every parameter on its "
+                "shards. Convert the tables back with thinwire.sparse.dense_embeddings(model), "
+                "or train a model with sparse tables under DDP or DistributedOptimizer"
+            )
+        self.parameters = averaged_parameters(model)
         if not self.parameters:
             raise ValueError("the model has no parameters that require gradients")
         built = build_compressor(compressor, **options)

@@ -1,0 +1,32 @@
+"""Which parameters a data-parallel wrapper averages.
+
+A model may tell DDP to leave some parameters alone (``_ddp_params_and_buffers_to_ignore``,
+set through ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``):
+:mod:`thinwire.sparse` does so for its tables, whose shards differ from rank to rank by
+design and travel in their own exchange. thinwire's wrappers honour the same list, so
+that they neither overwrite those shards with rank 0's nor average them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+
+def ignored_names(model: nn.Module | Iterable[tuple[str, nn.Parameter]]) -> set[str]:
+    """The parameter names ``model`` tells data-parallel wrappers to leave alone (none for
+    an iterable of ``(name, parameter)`` pairs: the caller chose those itself)."""
+    if not isinstance(model, nn.Module):
+        return set()
+    return set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def averaged_parameters(
+    model: nn.Module | Iterable[tuple[str, nn.Parameter]],
+) -> list[tuple[str, nn.Parameter]]:
+    """The ``(name, parameter)`` pairs to average: those that require gradients, less the
+    ones ``model`` tells data-parallel wrappers to leave alone (:func:`ignored_names`)."""
+    ignored = ignored_names(model)
+    named = model.named_parameters() if isinstance(model, nn.Module) else model
+    return [(name, p) for name, p in named if p.requires_grad and name not in ignored]
