@@ -338,6 +338,49 @@ def test_a_parameter_frozen_after_ddp_was_built_is_left_alone(pool2) -> None:
     assert first == second
 
 
+def train_on_after_a_nan_step(rank: int, world: int, name: str, front: str) -> list[Any]:
+    """Step 1: rank 1's gradient has a NaN; every rank raises and skips the step (as a
+    loss scaler would). Steps 2-4 are finite and must train normally."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    sgd = torch.optim.SGD(net.parameters(), lr=0.05)
+    if front == "hook":
+        model: nn.Module = DDP(net)
+        thinwire.register(model, name)
+        opt: Any = sgd
+    else:
+        model, opt = net, thinwire.DistributedOptimizer(sgd, net, name)
+    events = []
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        if step == 0 and rank == 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        try:
+            model(x).square().mean().backward()
+            opt.step()
+            events.append("stepped")
+        except thinwire.NonFiniteGradientError:
+            events.append("refused")
+        except RuntimeError as error:  # the DDP hook's error reaches backward() re-wrapped
+            events.append("refused" if "non-finite gradient" in str(error) else str(error))
+    weights = torch.cat([p.detach().flatten() for p in net.parameters()])
+    return [events, bool(torch.isfinite(weights).all()), weights.tolist()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("front", ["optimizer", "hook"])
+@pytest.mark.parametrize("name", sorted(thinwire.compressors()))
+def test_training_goes_on_after_a_refused_nan_step(pool2, name: str, front: str) -> None:
+    """The NaN used to stay in the error-feedback memory: the next steps applied NaN
+    weights without an error (top-k, DGC, 1-bit, signSGD) or raised forever (PowerSGD)."""
+    first, second = pool2.run(train_on_after_a_nan_step, name, front)
+    for events, finite, _ in (first, second):
+        assert events == ["refused", "stepped", "stepped", "stepped"], events
+        assert finite
+    assert first[2] == second[2]  # the ranks agree
+
+
 # -- a peer that dies mid-run: the survivor gets a clear error within the timeout ----------
 
 
@@ -396,3 +439,9 @@ def test_nan_in_a_later_bucket_with_fused_rounds_fails_every_rank(pool2) -> None
     assert "non-finite gradient" in messages[0] and "another rank" in messages[0], messages[0]
     assert "on this rank (1) in 0.weight" in messages[1], messages[1]
     assert all("in flight after: 0" in m for m in messages), messages
+    # DDP re-raises it from backward() as a RuntimeError that names thinwire's error (it
+    # said "Unable to cast ... to Tensor" around it)
+    for message in messages:
+        assert message.startswith("RuntimeError: Got the following error"), message
+        assert "NonFiniteGradientError: non-finite gradient" in message, message
+        assert "Unable to cast" not in message, message

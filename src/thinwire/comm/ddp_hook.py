@@ -123,7 +123,7 @@ def compressed_hook(
                 engine.end_step()
             return buffer
 
-        return engine.submit(job)
+        return _for_ddp(engine.submit(job))
 
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     with state.lock:
@@ -148,4 +148,12 @@ def compressed_hook(
             raise
 
     engine.submit(fused_job)
-    return future
+    return _for_ddp(future)
+
+
+def _for_ddp(future: torch.futures.Future) -> torch.futures.Future:
+    """``future``, chained so that its failure reaches DDP as an error: DDP's reducer (C++)
+    cannot read an exception set from Python as a result ("Unable to cast ... to Tensor").
+    Its ``backward()`` then raises a RuntimeError whose message begins with the name and
+    message of thinwire's error (``NonFiniteGradientError: ...``)."""
+    return future.then(lambda done: done.value())

@@ -231,13 +231,14 @@ class GradientExchange:
         batch = _Batch(items, [], [], token)
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
-            if not all_finite(item.grad):
-                batch.not_finite.append(item.key)
             slot = Slot(item.key, self.step, self.world_size, self.rank)
             # an empty tensor has nothing to compress (top-k would ask for 1 of 0 entries)
             compressed = item.grad.numel() > 0 and self.compressor.compresses(item.grad)
             chosen = self.compressor if compressed else self.dense
             corrected = self.memory.compensate(item.grad, slot, item.param)
+            if not all_finite(corrected):  # the gradient, or what the memory added to it
+                batch.not_finite.append(item.key)
+                self.memory.forget(slot.key)  # or the NaN would stay in it for good
             run = _Run(slot, compressed, corrected, chosen.exchange(corrected, slot))
             run.advance(None)
             batch.runs.append(run)

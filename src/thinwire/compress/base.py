@@ -210,6 +210,10 @@ class Memory(ABC):
         ``compressed`` is False for tensors that went dense (the compressor declined them).
         """
 
+    def forget(self, key: str) -> None:
+        """Drop what is kept for tensor ``key``, which starts afresh (its compensated
+        tensor was not finite: a NaN or Inf kept here would spoil every later step)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Buffers to checkpoint, keyed by tensor key."""
         return {}

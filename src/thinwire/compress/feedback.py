@@ -60,6 +60,10 @@ class ResidualMemory(Memory):
         """``residual = corrected - sent``; exact zeroing for sparsifiers."""
         _subtract_sent(corrected, sent)
 
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s residual."""
+        self.residuals.pop(key, None)
+
     def state_dict(self) -> dict[str, Any]:
         """The residual of every tensor key."""
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
@@ -126,6 +130,11 @@ class DGCMemory(Memory):
             u.view(-1).index_fill_(0, sent.sent_indices, 0.0)
         elif sent.local is not None:
             u.masked_fill_(sent.local != 0, 0.0)
+
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s velocity and accumulator."""
+        self.velocities.pop(key, None)
+        self.accumulators.pop(key, None)
 
     def state_dict(self) -> dict[str, Any]:
         """Velocities ``u`` and accumulators ``v`` of every tensor key."""
