@@ -585,3 +585,28 @@ def test_losing_a_server_or_a_worker_gives_a_communication_error(
     assert rank == (1 if who == "server" else 0)
     assert "has probably died or stalled" in message
     assert time.monotonic() - began < 40
+
+
+def _train_in(rank: int, world: int, dtype: str) -> list[bool]:
+    model = _model().to(getattr(torch, dtype))
+    ps = _server(model, Run(), world)
+    for step in range(2):
+        x, y = _batch(ps.worker_index, step)
+        ps.zero_grad()
+        nn.functional.mse_loss(model(x.to(model[0].weight.dtype)), y.to(x.dtype)).backward()
+        ps.step()
+    held = [p.detach().clone() for p in ps.server.params] if ps.server is not None else []
+    ps.close()
+    pulled = [p.detach() for p in model.parameters()]
+    checks = [all(p.dtype == getattr(torch, dtype) for p in pulled)]
+    if held:  # rank 0 serves the one shard: the workers pulled its weights exactly
+        checks.append(all(torch.equal(a, b) for a, b in zip(held, pulled, strict=True)))
+    return checks
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_workers_pull_the_weights_in_their_own_dtype(pool2, dtype: str) -> None:
+    """fp64 weights came back rounded to fp32 at every pull (the workers computed on and
+    saved other weights than the server's)."""
+    for checks in pool2.run(_train_in, dtype):
+        assert all(checks), checks

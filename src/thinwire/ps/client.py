@@ -36,7 +36,7 @@ from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMism
 from thinwire.ps.channels import TO_SERVER, TO_WORKER, Channel, LocalPair, ProcessChannel
 from thinwire.ps.links import ServerLink
 from thinwire.ps.server import ANSWER, CLOSE, FINE, PUSH, SNAPSHOT, ShardServer, base_rate
-from thinwire.ps.sharding import assign_shards
+from thinwire.ps.sharding import assign_shards, wire_dtype
 
 MODES = ("sync", "async")
 
@@ -301,7 +301,7 @@ class ParameterServer:
             )
         self._versions[server_rank] = int(answer[1])
         shard = [self.parameters[i][1] for i in self.shards[server_rank]]
-        flat = torch.empty(sum(p.numel() for p in shard), dtype=torch.float32)
+        flat = torch.empty(sum(p.numel() for p in shard), dtype=wire_dtype(shard))
         link.channel.recv(flat).wait()
         with torch.no_grad():
             offset = 0

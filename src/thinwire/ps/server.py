@@ -41,6 +41,7 @@ from thinwire.compress.feedback import NoMemory
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
 from thinwire.ps.channels import Channel
 from thinwire.ps.links import WorkerFanIn
+from thinwire.ps.sharding import wire_dtype
 
 PUSH, CLOSE, SNAPSHOT = 0, 1, 2
 FINE, POISONED = 0, 1
@@ -263,7 +264,8 @@ class ShardServer:
     def _answer(self, worker: int, next_step: int, slowest: int) -> None:
         self.released.append(Released(worker, next_step, slowest, self.version))
         self._send_status(worker, FINE)
-        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
+        dtype = wire_dtype(self.params)
+        flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in self.params])
         self.channels[worker].send(flat).wait()
 
     def _send_status(self, worker: int, status: int) -> None:

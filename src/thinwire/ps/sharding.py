@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
 
 
 def assign_shards(parameters: list[tuple[str, nn.Parameter]], servers: int) -> list[list[int]]:
@@ -25,3 +29,10 @@ def assign_shards(parameters: list[tuple[str, nn.Parameter]], servers: int) -> l
         shards[target].append(index)
         loads[target] += parameters[index][1].numel()
     return [sorted(shard) for shard in shards]
+
+
+def wire_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """The dtype a shard's parameters travel in from its server to the workers: the one
+    every parameter's dtype converts to without loss (fp64 weights are not rounded to fp32,
+    bf16 ones take half the bytes)."""
+    return functools.reduce(torch.promote_types, (p.dtype for p in params), params[0].dtype)
