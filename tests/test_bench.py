@@ -100,6 +100,20 @@ def test_bad_bench_settings_are_refused_before_any_worker_starts(
     assert not (tmp_path / "results.json").exists()
 
 
+def test_a_bench_out_that_is_a_file_is_refused_with_what_to_do(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It printed a bare "[Errno 17] File exists"."""
+    from thinwire.cli import main
+
+    target = tmp_path / "results"
+    target.write_text("a file")
+    base = ["bench", "--task", "digits", "--network", "loopback", "--workers", "2"]
+    code = main([*base, "--steps", "2", "--out", str(target)])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 2 and "is a file; give a directory" in printed, printed
+
+
 def test_records_name_the_form_of_compressors_whose_defaults_depart_from_the_paper() -> None:
     methods = {m.name: m for m in parse_methods("dgc,terngrad,onebit,dga", steps=10)}
     assert methods["dgc"].options == {"masking": False, "warmup_steps": 1}

@@ -578,7 +578,7 @@ def test_bad_delay_is_refused_naming_the_value(delay) -> None:
 
 def test_bad_bucket_cap_is_refused_naming_the_value() -> None:
     model = _model()
-    with pytest.raises(ValueError, match=r"bucket_cap_mb must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a number > 0, got 0"):
         thinwire.DelayedAveraging(
             torch.optim.SGD(model.parameters(), lr=0.1), model, delay=1, bucket_cap_mb=0
         )

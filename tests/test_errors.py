@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thinwire
+import thinwire.sparse
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.launch import init_local_group
 from thinwire.tasks.digits import DigitsMLP
@@ -78,6 +79,70 @@ def test_dgc_refuses_an_optimizer_with_its_own_momentum(optimizer) -> None:
 def test_register_needs_a_ddp_model() -> None:
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         thinwire.register(nn.Linear(2, 2), "none")
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"fuse_rounds": "no"}, r"fuse_rounds must be True or False, got 'no'"),
+        ({"broadcast_parameters": 0}, r"broadcast_parameters must be True or False, got 0"),
+        ({"bucket_cap_mb": "25"}, r"bucket_cap_mb must be a number > 0, got '25'"),
+    ],
+)
+def test_wrapper_switches_of_the_wrong_kind_are_refused(options: dict, named: str) -> None:
+    """``"no"`` read as true; a string bucket size raised a bare comparison error."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=named):
+        thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **options)
+
+
+def test_numpy_integers_are_integers() -> None:
+    """Counts read from numpy (a config array, a sweep) were refused as not integers."""
+    import numpy as np
+
+    assert thinwire.compressor("powersgd", rank=np.int64(2)).rank == 2
+    assert thinwire.compressor("dgc", warmup_steps=np.int32(3)).warmup_steps == 3
+    with pytest.raises(ValueError, match=r"rank must be an integer >= 1, got 2\.0"):
+        thinwire.compressor("powersgd", rank=2.0)
+
+
+def misuse_register(rank: int, world: int) -> list[str]:
+    messages = []
+    for attempt in (
+        lambda: thinwire.register(DDP(nn.Linear(4, 4)), "topk", memory="none"),
+        lambda: thinwire.register(DDP(nn.Linear(4, 4)), "none", optimizer=[1]),
+        lambda: thinwire.register(DDP(nn.Linear(4, 4)), "none", fuse_rounds="no"),
+    ):
+        try:
+            attempt()
+            messages.append("no error")
+        except (TypeError, ValueError) as error:
+            messages.append(str(error))
+    model = DDP(nn.Linear(4, 4))
+    thinwire.register(model, "none")
+    try:
+        thinwire.register(model, "fp16")
+        messages.append("no error")
+    except RuntimeError as error:
+        messages.append(str(error))
+    try:
+        thinwire.sparse.shard_embeddings(DDP(nn.Sequential(nn.Embedding(8, 2), nn.Linear(2, 2))))
+        messages.append("no error")
+    except TypeError as error:
+        messages.append(str(error))
+    return messages
+
+
+@pytest.mark.multiprocess
+def test_register_misuse_is_refused_when_called(pool2) -> None:
+    """Each was accepted and failed later, in backward() or the next forward, with a bare
+    cast or attribute error or DDP's own message."""
+    for memory, optimizer, fuse, twice, convert in pool2.run(misuse_register):
+        assert "memory must be a thinwire Memory" in memory and "'none'" in memory, memory
+        assert "optimizer must be a torch.optim.Optimizer" in optimizer, optimizer
+        assert "fuse_rounds must be True or False" in fuse, fuse
+        assert "already has a communication hook" in twice, twice
+        assert "before wrapping the model in DistributedDataParallel" in convert, convert
 
 
 # -- collective errors, on 2 ranks ----------------------------------------------------------
@@ -404,6 +469,29 @@ def _survivor_or_casualty(rank: int, port: int, fate: str, results: mp.Queue) ->
             results.put(("error", step, str(error)))
             return
     results.put(("finished", 20, ""))
+
+
+def _only_rank_0_registers(rank: int, port: int, results: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    init_local_group(rank, 2, port, timeout_s=4)
+    model = DDP(nn.Linear(4, 4))
+    if rank == 1:
+        time.sleep(30)  # builds no wrapper: rank 0 must not wait for it forever
+        return
+    try:
+        thinwire.register(model, "none")
+        results.put(("finished", ""))
+    except thinwire.CommunicationError as error:
+        results.put(("error", str(error)))
+    except Exception as error:  # the bare store timeout it used to be
+        results.put((type(error).__name__, str(error)))
+
+
+@pytest.mark.multiprocess
+def test_a_wrapper_built_on_one_rank_only_says_what_to_do(first_report: Callable[..., Any]) -> None:
+    kind, message = first_report(_only_rank_0_registers)
+    assert kind == "error", (kind, message)
+    assert "every rank must build the same thinwire wrappers" in message, message
 
 
 @pytest.mark.multiprocess

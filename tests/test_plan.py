@@ -526,6 +526,8 @@ def test_plan_command_models_ddps_buckets_and_buffer_broadcast(tmp_path, capsys)
             "--bucket-cap-mb must be > 0 MB, got 0.0",
         ),
         (["--workers", "4", "--bandwidth", "1gbit", "--task-options", "[1]"], "a JSON object"),
+        # found before the plan runs (it printed the table, then a bare IsADirectoryError)
+        (["--workers", "4", "--bandwidth", "1gbit", "--json", "."], "--json . is a directory"),
     ],
 )
 def test_plan_command_rejects_bad_input(flags: list[str], message: str, capsys) -> None:

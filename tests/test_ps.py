@@ -610,3 +610,22 @@ def test_workers_pull_the_weights_in_their_own_dtype(pool2, dtype: str) -> None:
     saved other weights than the server's)."""
     for checks in pool2.run(_train_in, dtype):
         assert all(checks), checks
+
+
+def _serve_on_a_worker(rank: int, world: int) -> str:
+    ps = _server(_model(), Run(colocated=False), world)
+    message = "server rank"
+    if ps.is_worker:
+        try:
+            ps.serve()
+            message = "no error"
+        except RuntimeError as error:
+            message = str(error)
+    ps.close()
+    return message
+
+
+def test_serve_on_a_worker_says_which_ranks_serve(pool2) -> None:
+    """It said serve() was for colocated=False, which the user had passed."""
+    _, worker = pool2.run(_serve_on_a_worker)
+    assert "rank 1 is a worker (the servers are ranks 0 .. 0)" in worker, worker

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -101,6 +102,13 @@ def _plan(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError) as error:
         print(f"thinwire plan: error: {error}", file=sys.stderr)
+        return 2
+    if args.json and Path(args.json).is_dir():  # found before the plan's minutes, not after
+        print(
+            f"thinwire plan: error: --json {args.json} is a directory; give the file to "
+            "write, e.g. runs/plan.json",
+            file=sys.stderr,
+        )
         return 2
     try:
         profile, rows = report.run_plan(request)

@@ -153,6 +153,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        console.print(
+            f"[red]error:[/] --out {escape(str(out))} is a file; give a directory (results.json "
+            "and the plots go in it), e.g. runs/bench"
+        )
+        return 2
     try:
         records = run_bench(config, out, console)
     except (RuntimeError, OSError) as error:  # a failed rank, a timeout, no root, no data

@@ -319,7 +319,16 @@ def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     default (30 minutes on gloo), so a dead peer would hang it far longer than the user
     asked for."""
     ranks = dist.get_process_group_ranks(group) if group is not None else None
-    return dist.new_group(ranks=ranks, timeout=_group_timeout(group))
+    timeout = _group_timeout(group)
+    try:
+        return dist.new_group(ranks=ranks, timeout=timeout)
+    except RuntimeError as error:
+        raise CommunicationError(
+            f"creating a process group on rank {dist.get_rank()} failed or timed out (timeout: "
+            f"{timeout}): every rank must build the same thinwire wrappers and tables in the "
+            "same order (each creates process groups, a collective of every rank), and no "
+            f"peer may have died; check the other ranks' output. ({error})"
+        ) from error
 
 
 def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:

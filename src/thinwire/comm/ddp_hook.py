@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.collectives import Communicator, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem
-from thinwire.compress.base import Compressor, Memory
+from thinwire.compress.base import Compressor, Memory, check_flag
 from thinwire.compress.registry import compressor as build_compressor
 
 
@@ -75,6 +75,18 @@ def register(
             f"{type(model).__name__}; wrap it with DDP first, or use "
             "thinwire.DistributedOptimizer for code without DDP"
         )
+    if getattr(model, "_comm_hooks", None):
+        raise RuntimeError(
+            "this DDP model already has a communication hook (from thinwire.register or "
+            "register_comm_hook), and DDP takes one per model: build a new "
+            "DistributedDataParallel around the module to exchange through another compressor"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (to check it against the compressor), "
+            f"got {type(optimizer).__name__}"
+        )
+    check_flag("fuse_rounds", fuse_rounds)
     built = build_compressor(compressor, **options)
     if optimizer is not None:
         built.check_optimizer(optimizer)

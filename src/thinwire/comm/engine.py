@@ -149,6 +149,12 @@ class GradientExchange:
         history: int = 10_000,
     ) -> None:
         self.compressor = build_compressor(compressor)
+        if memory is not None and not isinstance(memory, Memory):
+            raise TypeError(
+                "memory must be a thinwire Memory (NoMemory(), ResidualMemory() or "
+                "DGCMemory(...) from thinwire.compress.feedback), or None for the "
+                f"compressor's own; got {memory!r}"
+            )
         self.communicator = make_communicator(communicator, self.compressor, group)
         self.memory = memory if memory is not None else self.compressor.make_memory()
         self.dense = NoCompression()

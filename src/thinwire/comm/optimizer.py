@@ -25,7 +25,7 @@ from torch import nn
 from thinwire.comm.collectives import Communicator, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
 from thinwire.comm.parameters import averaged_parameters, ignored_names
-from thinwire.compress.base import Compressor, Memory
+from thinwire.compress.base import Compressor, Memory, check_flag, is_real
 from thinwire.compress.registry import compressor as build_compressor
 
 
@@ -62,8 +62,10 @@ class DistributedOptimizer:
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if not (is_real(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        check_flag("fuse_rounds", fuse_rounds)
+        check_flag("broadcast_parameters", broadcast_parameters)
         built = build_compressor(compressor, **options)
         built.check_optimizer(optimizer)
         # less the tables thinwire.sparse shards (DDP's ignore list): each rank's differs

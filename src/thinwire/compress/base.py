@@ -256,11 +256,22 @@ def check_fraction(name: str, value: float) -> float:
     return float(value)
 
 
+def check_flag(name: str, value: object) -> None:
+    """Refuse a switch that is not ``True`` or ``False`` (``"no"`` would read as true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer, Python's or numpy's (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value: int) -> int:
     """Validate an option that must be an integer >= 1, with a message that names it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 #: quantizers that scale per row (``per_row``) give their own scales only to rows of at

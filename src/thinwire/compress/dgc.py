@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Memory, Slot, check_fraction
+from thinwire.compress.base import Memory, Slot, check_fraction, is_integer
 from thinwire.compress.bits import ScratchBuffer
 from thinwire.compress.feedback import DGCMemory
 from thinwire.compress.registry import register_compressor
@@ -76,12 +76,11 @@ class DGC(TopK):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.sample_fraction = check_fraction("sample_fraction", self.sample_fraction)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
+        if not is_integer(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not is_integer(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self.warmup_steps, self.seed = int(self.warmup_steps), int(self.seed)
         self.make_memory()  # validates momentum, max_norm and weight_decay
         self.momentum, self.weight_decay = float(self.momentum), float(self.weight_decay)
         self.max_norm = None if self.max_norm is None else float(self.max_norm)

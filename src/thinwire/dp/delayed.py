@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from thinwire.comm.collectives import Communicator, sibling_group, value_ranges
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, _digest, gradient_of
 from thinwire.comm.optimizer import DistributedOptimizer
-from thinwire.compress.base import Compressor, Memory, all_finite
+from thinwire.compress.base import Compressor, Memory, all_finite, is_integer
 from thinwire.compress.feedback import NoMemory
 from thinwire.dp.replay import (
     ConsensusReplay,
@@ -139,10 +139,11 @@ class DelayedAveraging:
         broadcast_parameters: bool = True,
         **options: Any,
     ) -> None:
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+        if not is_integer(delay) or delay < 0:
             raise ValueError(f"delay must be an integer >= 0 (steps), got {delay!r}")
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+        if not is_integer(lanes) or lanes < 1:
             raise ValueError(f"lanes must be an integer >= 1, got {lanes!r}")
+        delay, lanes = int(delay), int(lanes)
         # The synchronous wrapper validates the options, checks that every rank has the
         # same parameters and compressor, broadcasts rank 0's weights and makes the
         # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets.

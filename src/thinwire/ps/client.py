@@ -30,7 +30,7 @@ from torch import nn
 from thinwire.comm.collectives import _group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
 from thinwire.comm.parameters import averaged_parameters, ignored_names
-from thinwire.compress.base import Compressor, Memory, is_real
+from thinwire.compress.base import Compressor, Memory, is_integer, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
 from thinwire.ps.channels import TO_SERVER, TO_WORKER, Channel, LocalPair, ProcessChannel
@@ -92,8 +92,9 @@ class ParameterServer:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        if not is_integer(staleness) or staleness < 0:
             raise ValueError(f"staleness must be an integer >= 0 (steps), got {staleness!r}")
+        staleness = int(staleness)
         if timeout_s is not None and not (is_real(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if not base_rate(optimizer.param_groups[0]) > 0:
@@ -104,8 +105,9 @@ class ParameterServer:
                 "its peak rate (a scheduler may then lower it, to 0 too) before the server"
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        if not is_integer(servers) or servers < 1:
             raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+        servers = int(servers)
         if servers > world or (not colocated and servers >= world):
             raise ValueError(
                 f"{servers} server(s) in a world of {world} rank(s) leaves no "
@@ -406,7 +408,15 @@ class ParameterServer:
     def serve(self) -> None:
         """On a dedicated server rank: answer the workers until they all close."""
         if self.server is None or self._server_thread is not None:
-            raise RuntimeError("serve() is for dedicated server ranks (colocated=False)")
+            where = (
+                "its servers run inside the workers (colocated=True) and serve on their own"
+                if self.colocated
+                else f"rank {self.rank} is a worker (the servers are ranks 0 .. {self.servers - 1})"
+            )
+            raise RuntimeError(
+                f"serve() is for dedicated server ranks, and {where}: call it only where "
+                "ps.is_server and not ps.is_worker, and step() on the workers"
+            )
         self._open()
         if not self._served:
             self._served = True

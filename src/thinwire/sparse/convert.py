@@ -107,6 +107,12 @@ def _replace(
     build: Callable[[nn.Embedding], SparseTable],
     group: dist.ProcessGroup | None,
 ) -> list[str]:
+    if any(isinstance(module, DistributedDataParallel) for module in model.modules()):
+        raise TypeError(
+            "convert the embeddings before wrapping the model in DistributedDataParallel: "
+            "DDP has already bucketed the tables' gradients and would wait for them forever. "
+            "Call shard_embeddings(model) (or allgather_embeddings), then DDP(model)"
+        )
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import run_collective, sibling_group, value_ranges
+from thinwire.compress.base import is_integer
 from thinwire.errors import RankMismatchError
 
 
@@ -98,7 +99,7 @@ def check_table(num_embeddings: int, embedding_dim: int) -> None:
             "torch.distributed.init_process_group(...) first (or launch with torchrun)"
         )
     for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
@@ -386,7 +387,9 @@ class ShardedEmbedding(nn.Module):
         ):
             raise ValueError(
                 f"a table of shape {tuple(full.shape)} cannot load into a sharded embedding of "
-                f"{self.num_embeddings} x {self.embedding_dim}"
+                f"{self.num_embeddings} x {self.embedding_dim}: load whole tables, as "
+                "thinwire.sparse.full_state_dict and full_optimizer_state_dict save them (a "
+                "rank's own state_dict() holds only its shard)"
             )
         return full[self.rank :: self.world].clone()
 
