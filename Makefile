@@ -39,7 +39,7 @@ demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/thinwire demo
 
 bench: setup
-	OMP_NUM_THREADS=1 $(PY) bench/compressors.py --out results/compressors.json
+	OMP_NUM_THREADS=1 $(PY) bench/compressors.py --out docs/results/compressors.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
