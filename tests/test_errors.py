@@ -256,16 +256,22 @@ def test_an_fp16_overflow_names_fp16_as_a_cause(pool2) -> None:
         assert "fp16 holds magnitudes up to 65504" in message and "use bf16" in message
 
 
-def unfrozen_later(rank: int, world: int, front_end: str) -> str:
+def requires_grad_changed(rank: int, world: int, front_end: str, change: str) -> str:
+    """Build a wrapper, then unfreeze a frozen layer or freeze a trained one."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    model[0].requires_grad_(False)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if change.startswith("unfreeze"):
+        model[0].requires_grad_(False)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    given: Any = model.named_parameters() if change.endswith("pairs") else model
     if front_end == "delayed":
-        opt: Any = thinwire.DelayedAveraging(sgd, model, delay=1)
+        opt: Any = thinwire.DelayedAveraging(sgd, given, delay=1)
     else:
-        opt = thinwire.DistributedOptimizer(sgd, model)
-    model[0].requires_grad_(True)
+        opt = thinwire.DistributedOptimizer(sgd, given)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model[0].requires_grad_(change.startswith("unfreeze"))
     model(torch.randn(3, 4)).sum().backward()
     try:
         opt.step()
@@ -276,11 +282,17 @@ def unfrozen_later(rank: int, world: int, front_end: str) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("front_end", ["sync", "delayed"])
-def test_a_parameter_unfrozen_after_construction_is_refused(pool2, front_end: str) -> None:
-    """It was never averaged: the ranks drifted 0.5 apart on it without a word."""
-    for message in pool2.run(unfrozen_later, front_end):
-        assert "0.weight, 0.bias have gradients but did not require them" in message, message
-        assert "build the wrapper again" in message
+@pytest.mark.parametrize("change", ["unfreeze", "unfreeze-pairs", "freeze"])
+def test_requires_grad_changed_after_construction_is_refused(
+    pool2, front_end: str, change: str
+) -> None:
+    """Unfrozen, it was never averaged: the ranks drifted 0.5 apart on it without a word
+    (given as (name, parameter) pairs, even after the module form was refused). Frozen,
+    it was still stepped with zeros, and momentum moved it."""
+    for message in pool2.run(requires_grad_changed, front_end, change):
+        verb = "now require" if change.startswith("unfreeze") else "no longer require"
+        assert f"0.weight, 0.bias {verb} gradients" in message, message
+        assert "Build the wrapper again" in message, message
 
 
 def load_a_checkpoint(rank: int, world: int, saved_by: str, loaded_by: str) -> str:

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.comm.collectives import Communicator, run_collective
+from thinwire.comm.collectives import Communicator, run_collective, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
-from thinwire.comm.parameters import averaged_parameters, ignored_names
+from thinwire.comm.parameters import split_parameters
 from thinwire.compress.base import Compressor, Memory, check_flag, is_real
 from thinwire.compress.registry import compressor as build_compressor
 
@@ -43,6 +43,9 @@ class DistributedOptimizer:
             bucket's first (``False``: each bucket's rounds alone).
         group: the process group; default: the global one.
         broadcast_parameters: copy rank 0's parameters to every rank at construction.
+        own_group: run the exchange on a new process group of ``group``'s ranks (for
+            exchanges that run in the background while the program issues collectives of
+            its own, as :class:`~thinwire.DelayedAveraging`'s do).
         **options: compressor options when ``compressor`` is a name.
     """
 
@@ -58,6 +61,7 @@ class DistributedOptimizer:
         fuse_rounds: bool = True,
         group: dist.ProcessGroup | None = None,
         broadcast_parameters: bool = True,
+        own_group: bool = False,
         **options: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -66,14 +70,18 @@ class DistributedOptimizer:
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         check_flag("fuse_rounds", fuse_rounds)
         check_flag("broadcast_parameters", broadcast_parameters)
+        check_flag("own_group", own_group)
         built = build_compressor(compressor, **options)
         built.check_optimizer(optimizer)
         # less the tables thinwire.sparse shards (DDP's ignore list): each rank's differs
-        self.parameters = averaged_parameters(model)
+        self.parameters, self._frozen = split_parameters(model)
         if not self.parameters:
             raise ValueError("the model has no parameters that require gradients")
         self.optimizer = optimizer
-        self.engine = GradientExchange(built, communicator=communicator, memory=memory, group=group)
+        exchange_group = sibling_group(group) if own_group else group
+        self.engine = GradientExchange(
+            built, communicator=communicator, memory=memory, group=exchange_group
+        )
         self.engine.verify(self.parameters)
         if broadcast_parameters:
             root = dist.get_global_rank(group, 0) if group else 0
@@ -83,10 +91,6 @@ class DistributedOptimizer:
                         f"the broadcast of {name!r}", dist.broadcast, p.data, src=root, group=group
                     )
         self.buckets = _buckets(self.parameters, int(bucket_cap_mb * 2**20))
-        #: the model, to find parameters that gain a gradient later (frozen, then unfrozen)
-        self._model = model if isinstance(model, nn.Module) else None
-        self._averaged = {id(p) for _, p in self.parameters}
-        self._ignored = ignored_names(model)
         self.fuse_rounds = fuse_rounds
 
     @property
@@ -99,22 +103,25 @@ class DistributedOptimizer:
         """Statistics of the last exchange."""
         return self.engine.last_step
 
-    def check_no_new_gradients(self) -> None:
-        """Refuse a model parameter that has a gradient but was not averaged from the start
-        (it did not require one at construction): it would train on this rank's own."""
-        if self._model is None:
-            return
-        new = [
-            name
-            for name, p in self._model.named_parameters()
-            if p.grad is not None and id(p) not in self._averaged and name not in self._ignored
-        ]
-        if new:
+    def check_requires_grad_unchanged(self) -> None:
+        """Refuse a parameter whose ``requires_grad`` changed since construction: one
+        unfrozen would train on this rank's own gradients (the ranks drift apart), and one
+        frozen would still be stepped, with zeros (momentum and weight decay move it)."""
+        unfrozen = [name for name, p in self._frozen if p.requires_grad]
+        frozen = [name for name, p in self.parameters if not p.requires_grad]
+        if unfrozen or frozen:
+            changed = unfrozen or frozen
             raise ValueError(
-                f"parameter(s) {', '.join(new[:5])}{' ...' if len(new) > 5 else ''} have "
-                "gradients but did not require them when thinwire was built (frozen, then "
-                "unfrozen), so they are not averaged and the ranks would drift apart: build "
-                "the wrapper again after changing requires_grad"
+                f"parameter(s) {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} "
+                f"{'now require' if unfrozen else 'no longer require'} gradients, but "
+                f"{'did not' if unfrozen else 'did'} when thinwire was built: "
+                + (
+                    "they are not averaged, and the ranks would drift apart. "
+                    if unfrozen
+                    else "they would still be stepped with zero gradients. "
+                )
+                + "Build the wrapper again after changing requires_grad (with "
+                "DelayedAveraging, flush() first)"
             )
 
     def synchronize(self) -> None:
@@ -124,7 +131,7 @@ class DistributedOptimizer:
         rank gave a gradient is then stepped with zeros, so its momentum and weight decay
         still act, where a local optimizer would skip it: build the wrapper over the
         parameters that train (``requires_grad=False`` on those that never do)."""
-        self.check_no_new_gradients()
+        self.check_requires_grad_unchanged()
         buckets = []
         for bucket in self.buckets:
             items = []

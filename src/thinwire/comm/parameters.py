@@ -22,11 +22,15 @@ def ignored_names(model: nn.Module | Iterable[tuple[str, nn.Parameter]]) -> set[
     return set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
 
 
-def averaged_parameters(
+def split_parameters(
     model: nn.Module | Iterable[tuple[str, nn.Parameter]],
-) -> list[tuple[str, nn.Parameter]]:
-    """The ``(name, parameter)`` pairs to average: those that require gradients, less the
-    ones ``model`` tells data-parallel wrappers to leave alone (:func:`ignored_names`)."""
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """``model``'s ``(name, parameter)`` pairs to average (those that require gradients)
+    and those left out for now (frozen), both less the ones ``model`` tells data-parallel
+    wrappers to leave alone (:func:`ignored_names`)."""
     ignored = ignored_names(model)
     named = model.named_parameters() if isinstance(model, nn.Module) else model
-    return [(name, p) for name, p in named if p.requires_grad and name not in ignored]
+    given = [(name, p) for name, p in named if name not in ignored]
+    return [(n, p) for n, p in given if p.requires_grad], [
+        (n, p) for n, p in given if not p.requires_grad
+    ]

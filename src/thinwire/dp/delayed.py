@@ -118,7 +118,9 @@ class DelayedAveraging:
         fuse_rounds: send each bucket's later rounds in the collectives of the next
             bucket's first, as ``DistributedOptimizer`` does (``False``: each bucket's
             rounds alone).
-        group: the process group; default: the global one.
+        group: the process group; default: the global one. With ``delay > 0`` the
+            exchanges run on a new process group of the same ranks, so the program's own
+            collectives on ``group`` between steps (a logged loss) cannot meet them.
         broadcast_parameters: copy rank 0's parameters to every rank at construction.
         **options: compressor options when ``compressor`` is a name.
     """
@@ -146,7 +148,11 @@ class DelayedAveraging:
         delay, lanes = int(delay), int(lanes)
         # The synchronous wrapper validates the options, checks that every rank has the
         # same parameters and compressor, broadcasts rank 0's weights and makes the
-        # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets.
+        # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets. With D > 0
+        # the exchanges run in the background between steps, on a process group of their
+        # own: the program's collectives on ``group`` (a logged loss, a second wrapper)
+        # would otherwise interleave with them, in a different order on each rank.
+        self._group = group
         self._sync = DistributedOptimizer(
             optimizer,
             model,
@@ -157,6 +163,7 @@ class DelayedAveraging:
             fuse_rounds=fuse_rounds,
             group=group,
             broadcast_parameters=broadcast_parameters,
+            own_group=delay > 0,
             **options,
         )
         self._delay = delay
@@ -327,7 +334,10 @@ class DelayedAveraging:
 
     def flush(self) -> None:
         """Wait for every exchange in flight and apply its correction, oldest first; ranks
-        then hold the same weights. Call before evaluation and checkpoints."""
+        then hold the same weights. Call before evaluation and checkpoints (collective:
+        every rank calls it after the same number of steps)."""
+        if self._delay > 0:
+            self._agree_on_steps()
         if self._replay is not None:
             if self._pending:
                 self._advance_consensus(self._replay, keep=0)
@@ -335,6 +345,19 @@ class DelayedAveraging:
             return
         while self._pending:
             self._correct(self._pending.popleft())
+
+    def _agree_on_steps(self) -> None:
+        """Refuse on every rank, before waiting, a flush after a different number of
+        steps: the rank with more would wait out the timeout for exchanges the others
+        never join, and the others would return without its last steps."""
+        ((lowest, highest),) = value_ranges([self._started], self._group)
+        if lowest != highest:
+            raise RankMismatchError(
+                f"DelayedAveraging.flush() after {self._started} step(s) on rank "
+                f"{self.engine.rank}, but the ranks took {lowest} to {highest}: every rank must "
+                "call step() as many times (a rank that ran out of data must still step, "
+                "e.g. on an empty batch's zero gradients)"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (as the wrapped optimizer does)."""
@@ -350,7 +373,7 @@ class DelayedAveraging:
         job on the lane's exchange thread. Parameters without a gradient get zeros, as in
         ``DistributedOptimizer``, so every rank issues the same collectives and steps the
         same parameters."""
-        self._sync.check_no_new_gradients()
+        self._sync.check_requires_grad_unchanged()
         rates = self._step_rates()  # before any exchange starts: it may refuse the step
         buckets: list[list[GradientItem]] = []
         engine = self._lanes[self._started % len(self._lanes)]

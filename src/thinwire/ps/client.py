@@ -29,7 +29,7 @@ from torch import nn
 
 from thinwire.comm.collectives import _group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
-from thinwire.comm.parameters import averaged_parameters, ignored_names
+from thinwire.comm.parameters import ignored_names, split_parameters
 from thinwire.compress.base import Compressor, Memory, is_integer, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
@@ -123,7 +123,7 @@ class ParameterServer:
                 "shards. Convert the tables back with thinwire.sparse.dense_embeddings(model), "
                 "or train a model with sparse tables under DDP or DistributedOptimizer"
             )
-        self.parameters = averaged_parameters(model)
+        self.parameters, _ = split_parameters(model)
         if not self.parameters:
             raise ValueError("the model has no parameters that require gradients")
         built = build_compressor(compressor, **options)
