@@ -96,6 +96,13 @@ def test_wrapper_switches_of_the_wrong_kind_are_refused(options: dict, named: st
         thinwire.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, **options)
 
 
+def test_an_optimizer_that_needs_a_closure_is_refused_with_what_to_do() -> None:
+    """L-BFGS failed after the first exchange had started, with a bare TypeError."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"LBFGS.step\(\) needs a closure.*first-order"):
+        thinwire.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), model)
+
+
 def test_numpy_integers_are_integers() -> None:
     """Counts read from numpy (a config array, a sweep) were refused as not integers."""
     import numpy as np
@@ -427,7 +434,8 @@ def train_on_after_a_nan_step(rank: int, world: int, name: str, front: str) -> l
         opt: Any = sgd
     else:
         model, opt = net, thinwire.DistributedOptimizer(sgd, net, name)
-    events = []
+    events, counts = [], []
+    engine = opt.engine if front == "optimizer" else None
     for step in range(4):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         if step == 0 and rank == 1:
@@ -437,12 +445,15 @@ def train_on_after_a_nan_step(rank: int, world: int, name: str, front: str) -> l
             model(x).square().mean().backward()
             opt.step()
             events.append("stepped")
+            if engine is not None:
+                stats = engine.last_step
+                counts.append((stats.dense_bytes, stats.collectives, stats.tensors))
         except thinwire.NonFiniteGradientError:
             events.append("refused")
         except RuntimeError as error:  # the DDP hook's error reaches backward() re-wrapped
             events.append("refused" if "non-finite gradient" in str(error) else str(error))
     weights = torch.cat([p.detach().flatten() for p in net.parameters()])
-    return [events, bool(torch.isfinite(weights).all()), weights.tolist()]
+    return [events, bool(torch.isfinite(weights).all()), weights.tolist(), counts]
 
 
 @pytest.mark.multiprocess
@@ -452,9 +463,11 @@ def test_training_goes_on_after_a_refused_nan_step(pool2, name: str, front: str)
     """The NaN used to stay in the error-feedback memory: the next steps applied NaN
     weights without an error (top-k, DGC, 1-bit, signSGD) or raised forever (PowerSGD)."""
     first, second = pool2.run(train_on_after_a_nan_step, name, front)
-    for events, finite, _ in (first, second):
+    for events, finite, _, counts in (first, second):
         assert events == ["refused", "stepped", "stepped", "stepped"], events
         assert finite
+        # the refused step's counts do not add to the next step's statistics
+        assert len(set(counts)) <= 1, counts
     assert first[2] == second[2]  # the ranks agree
 
 

@@ -186,15 +186,18 @@ class GradientExchange:
         """Average ``items``' gradients over all ranks (blocking); returns the means in the
         gradients' dtypes. Every rank must call this with the same keys and shapes."""
         started, communicated = time.perf_counter(), 0.0
-        batch = self._start(items)
         try:
+            batch = self._start(items)
             first = True
             while not batch.done:
                 communicated += self._round([batch], fresh=batch if first else None)
                 first = False
-            return self._finish(batch)
-        finally:
-            self._account(started, communicated)
+            means = self._finish(batch)
+        except BaseException:
+            self._drop_step()
+            raise
+        self._account(started, communicated)
+        return means
 
     def exchange_fused(
         self, items: Sequence[GradientItem], token: Any, last: bool
@@ -218,7 +221,7 @@ class GradientExchange:
                 communicated += self._round(self._in_flight, fresh=None)
         except BaseException:
             self._in_flight.clear()
-            self._account(started, communicated)
+            self._drop_step()
             raise
         finished = [b for b in self._in_flight if b.done]
         self._in_flight = [b for b in self._in_flight if not b.done]
@@ -282,6 +285,11 @@ class GradientExchange:
             means.append(run.result.mean.reshape(item.grad.shape).to(item.grad.dtype))
         self._current.tensors += len(batch.items)
         return means
+
+    def _drop_step(self) -> None:
+        """Forget the statistics of a step whose exchange failed: the step is not taken,
+        and its counts must not add to the next one's."""
+        self._current = StepStats(step=self.step)
 
     def _account(self, started: float, communicated: float) -> None:
         """Add one call's time to the current step: communication, and the rest as math."""

@@ -15,6 +15,7 @@ and error feedback run once, not per backward.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -64,8 +65,7 @@ class DistributedOptimizer:
         own_group: bool = False,
         **options: Any,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        check_first_order(optimizer)
         if not (is_real(bucket_cap_mb) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         check_flag("fuse_rounds", fuse_rounds)
@@ -199,3 +199,18 @@ def _buckets(
         buckets[-1].append((name, p))
         size += nbytes
     return buckets
+
+
+def check_first_order(optimizer: Any) -> None:
+    """Refuse what thinwire cannot wrap: anything but a ``torch.optim.Optimizer``, and
+    optimizers whose step needs a closure (L-BFGS re-evaluates the loss, and so the
+    gradients, several times within one step; thinwire averages one gradient per step)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step() needs a closure: it re-evaluates the loss and "
+            "the gradients within one step, and thinwire averages one gradient per step. "
+            "Use a first-order optimizer (SGD, Adam, ...)"
+        )

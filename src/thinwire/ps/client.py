@@ -29,6 +29,7 @@ from torch import nn
 
 from thinwire.comm.collectives import _group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
+from thinwire.comm.optimizer import check_first_order
 from thinwire.comm.parameters import ignored_names, split_parameters
 from thinwire.compress.base import Compressor, Memory, is_integer, is_real
 from thinwire.compress.registry import compressor as build_compressor
@@ -88,8 +89,7 @@ class ParameterServer:
                 "torch.distributed is not initialised: call "
                 "torch.distributed.init_process_group(...) first (or launch with torchrun)"
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)}")
+        check_first_order(optimizer)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not is_integer(staleness) or staleness < 0:
