@@ -314,6 +314,30 @@ def test_options_are_validated() -> None:
         FashionTask(norm="layer")
     with pytest.raises(ValueError, match="eval_examples"):
         FashionTask(eval_examples=20_000)
+    # a slice end: -1000 trained on all but the last 1000 bytes, without a word
+    with pytest.raises(ValueError, match=r"max_bytes must be >= 1 or None \(all\), got -1000"):
+        TextTask(max_bytes=-1000)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "named"),
+    [
+        ("fashion", {"eval_examples": "100"}, "eval_examples must be an integer or None"),
+        ("fashion", {"eval_examples": 5.5}, "eval_examples must be an integer or None"),
+        ("fashion", {"eval_examples": True}, "eval_examples must be an integer or None"),
+        ("text", {"max_bytes": "100"}, "max_bytes must be an integer or None"),
+        ("text", {"root": 3}, "root must be a string or None"),
+    ],
+)
+def test_optional_options_of_the_wrong_kind_are_refused_by_name(
+    name: str, options: dict, named: str
+) -> None:
+    """Options whose default is None skipped the kind check: bare comparison or slice
+    errors, or a float or True taken as a count."""
+    from thinwire.tasks import task
+
+    with pytest.raises(ValueError, match=named):
+        task(name, **options)
     tied = TextTask(embed_size=32, hidden_size=32, tie_weights=True, max_bytes=100_000)
     model = tied.build_model()
     assert model.embedding.weight is model.decoder.weight

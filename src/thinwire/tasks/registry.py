@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from typing import Any, TypeVar
 
 from thinwire.tasks.base import Task
@@ -42,8 +43,9 @@ def task(name: str | Task, **options: Any) -> Task:
             f"task {name!r} has no option(s) {', '.join(unknown)}; "
             f"its options are: {', '.join(sorted(accepted)) or 'none'}"
         )
+    hints = typing.get_type_hints(cls)
     for key, value in options.items():
-        _check_kind(name, key, value, accepted[key])
+        _check_kind(name, key, value, accepted[key], hints.get(key))
     return cls(**options)
 
 
@@ -56,15 +58,23 @@ _KINDS: dict[type, tuple[tuple[type, ...], str]] = {
 }
 
 
-def _check_kind(task_name: str, key: str, value: Any, default: Any) -> None:
+def _check_kind(task_name: str, key: str, value: Any, default: Any, hint: Any = None) -> None:
     """Refuse an option whose kind differs from its default's (a string for an integer,
-    say), naming it, before the task compares it with anything."""
-    if type(default) not in _KINDS:  # None (optional) or a required option: the task checks
+    say), naming it, before the task compares it with anything. An optional option
+    (default ``None``) has the kind its type hint gives besides ``None``."""
+    kind = type(default)
+    if default is None:
+        if value is None:
+            return
+        declared = [t for t in typing.get_args(hint) if t in _KINDS]
+        kind = declared[0] if len(declared) == 1 else type(None)
+    if kind not in _KINDS:  # a required option, or a hint of another kind: the task checks
         return
-    kinds, described = _KINDS[type(default)]
-    if not isinstance(value, kinds) or (isinstance(value, bool) and type(default) is not bool):
+    kinds, described = _KINDS[kind]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(
-            f"task {task_name!r}: option {key} must be {described} (default {default!r}), "
+            f"task {task_name!r}: option {key} must be {described}"
+            f"{' or None' if default is None else ''} (default {default!r}), "
             f"got {value!r}"
         )
 

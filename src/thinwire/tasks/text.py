@@ -144,6 +144,8 @@ class TextTask(Task):
                 raise ValueError(f"{option} must be positive, got {getattr(self, option)}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.max_bytes is not None and self.max_bytes < 1:  # a slice end: -1000 drops bytes
+            raise ValueError(f"max_bytes must be >= 1 or None (all), got {self.max_bytes}")
         if self.eval_tokens < self.seq_len:
             raise ValueError(
                 f"eval_tokens ({self.eval_tokens}) must be at least seq_len ({self.seq_len})"
