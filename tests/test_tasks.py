@@ -341,3 +341,20 @@ def test_optional_options_of_the_wrong_kind_are_refused_by_name(
     tied = TextTask(embed_size=32, hidden_size=32, tie_weights=True, max_bytes=100_000)
     model = tied.build_model()
     assert model.embedding.weight is model.decoder.weight
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ((1500, 2000, 0), "2000 ranks for 1438 training examples leave some ranks none"),
+        ((0, 2, -1), "step must be >= 0, got -1"),
+        ((0.0, 2, 0), "rank must be an integer, got 0.0"),
+    ],
+)
+def test_a_batch_for_an_impossible_shard_is_refused_by_name(args: tuple, named: str) -> None:
+    """They raised bare errors from the random draw ("random_ expects 'from' to be less
+    than 'to'", "expected non-negative integer")."""
+    from thinwire.tasks import task
+
+    with pytest.raises(ValueError, match=named):
+        task("digits").batch(*args)

@@ -16,6 +16,7 @@ loader state and every method of a benchmark sees the same data.
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -82,7 +83,18 @@ def seeded_init(seed: int, build: Callable[[], T]) -> T:
         return build()
 
 
-def check_rank(rank: int, world_size: int) -> None:
-    """Raise ``ValueError`` unless ``0 <= rank < world_size``."""
+def check_rank(rank: int, world_size: int, examples: int | None = None, step: int = 0) -> None:
+    """Raise ``ValueError`` unless ``0 <= rank < world_size``, ``step >= 0`` (all integers)
+    and, given the training set's size, every rank's shard has an example."""
+    for name, value in (("rank", rank), ("world_size", world_size), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in 0..world_size-1, got rank {rank} of {world_size}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if examples is not None and world_size > examples:
+        raise ValueError(
+            f"{world_size} ranks for {examples} training examples leave some ranks none: "
+            "use at most one rank per example"
+        )

@@ -56,8 +56,8 @@ class DigitsTask(Task):
 
     def batch(self, rank: int, world_size: int, step: int) -> tuple[Tensor, Tensor]:
         """Inputs (batch_size, 64) and labels (batch_size,) from ``rank``'s shard."""
-        check_rank(rank, world_size)
         data = self.data
+        check_rank(rank, world_size, len(data.train_y), step)
         shard_size = len(range(rank, len(data.train_y), world_size))
         pick = torch.randint(
             shard_size, (self.batch_size,), generator=step_generator(self.seed, rank, step)
