@@ -99,3 +99,15 @@ def test_cli_lists_compressors(capsys: pytest.CaptureFixture[str]) -> None:
     shown = capsys.readouterr().out
     for name in thinwire.compressors():
         assert name in shown
+
+
+def test_step_statistics_are_strict_json_also_for_a_step_that_sent_nothing() -> None:
+    """A step with no payload wrote compression_ratio NaN, which strict JSON refuses."""
+    import json
+
+    from thinwire.comm.engine import StepStats
+
+    empty = StepStats(step=3)
+    assert json.loads(json.dumps(empty.as_dict(), allow_nan=False))["compression_ratio"] is None
+    sent = StepStats(step=4, dense_bytes=400, payload_bytes=100)
+    assert sent.as_dict()["compression_ratio"] == 4.0

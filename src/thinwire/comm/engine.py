@@ -75,8 +75,9 @@ class StepStats:
         """Dense fp32 bytes over the bytes this rank actually contributed."""
         return self.dense_bytes / self.payload_bytes if self.payload_bytes else float("nan")
 
-    def as_dict(self) -> dict[str, float]:
-        """A flat dict for logs and JSON."""
+    def as_dict(self) -> dict[str, float | None]:
+        """A flat dict for logs and strict JSON (``compression_ratio`` is ``None`` for a
+        step that sent nothing, rather than NaN)."""
         return {
             "step": self.step,
             "tensors": self.tensors,
@@ -85,7 +86,7 @@ class StepStats:
             "sent_bytes": self.sent_bytes,
             "received_bytes": self.received_bytes,
             "collectives": self.collectives,
-            "compression_ratio": self.compression_ratio,
+            "compression_ratio": self.compression_ratio if self.payload_bytes else None,
             "compress_s": self.compress_s,
             "communicate_s": self.communicate_s,
         }
