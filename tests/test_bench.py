@@ -81,6 +81,7 @@ def test_methods_are_validated_before_anything_starts() -> None:
             ["--methods", "ps-sync", "--options", '{"ps-sync": {"servers": 5}}'],
             "ps-sync: 5 server(s) for 2 worker(s)",
         ),
+        (["--methods", "dense", "--servers", "2"], "--methods lists neither"),
         (
             ["--methods", "dga", "--options", '{"dga": {"compressor": "topk", "lanes": 2}}'],
             "dga: lanes=2 runs several steps' exchanges at once, but compressor 'topk'",

@@ -124,6 +124,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             )
         if args.servers is not None:
             listed = {name.strip() for name in args.methods.split(",")}
+            if not listed & {"ps-sync", "ps-async"}:
+                raise ValueError(
+                    "--servers sets the shards of ps-sync and ps-async, and --methods lists "
+                    "neither: add one, or leave --servers out"
+                )
             for name in ("ps-sync", "ps-async"):
                 if name in listed:
                     options.setdefault(name, {}).setdefault("servers", args.servers)
