@@ -137,6 +137,14 @@ def misuse_register(rank: int, world: int) -> list[str]:
         messages.append("no error")
     except TypeError as error:
         messages.append(str(error))
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    mixed = DDP(nn.Linear(4, 4), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+    try:  # DDP's own hook: the "already has a hook" advice would not help
+        thinwire.register(mixed, "none")
+        messages.append("no error")
+    except RuntimeError as error:
+        messages.append(str(error))
     return messages
 
 
@@ -144,12 +152,13 @@ def misuse_register(rank: int, world: int) -> list[str]:
 def test_register_misuse_is_refused_when_called(pool2) -> None:
     """Each was accepted and failed later, in backward() or the next forward, with a bare
     cast or attribute error or DDP's own message."""
-    for memory, optimizer, fuse, twice, convert in pool2.run(misuse_register):
+    for memory, optimizer, fuse, twice, convert, mixed in pool2.run(misuse_register):
         assert "memory must be a thinwire Memory" in memory and "'none'" in memory, memory
         assert "optimizer must be a torch.optim.Optimizer" in optimizer, optimizer
         assert "fuse_rounds must be True or False" in fuse, fuse
         assert "already has a communication hook" in twice, twice
         assert "before wrapping the model in DistributedDataParallel" in convert, convert
+        assert "built with mixed_precision=" in mixed, mixed
 
 
 # -- collective errors, on 2 ranks ----------------------------------------------------------

@@ -75,6 +75,13 @@ def register(
             f"{type(model).__name__}; wrap it with DDP first, or use "
             "thinwire.DistributedOptimizer for code without DDP"
         )
+    if getattr(model, "mixed_precision", None) is not None:
+        raise RuntimeError(
+            "this DDP model was built with mixed_precision=, for which DDP registers a "
+            "communication hook of its own, and DDP takes one per model: build DDP without "
+            "mixed_precision (thinwire's fp16/bf16 compressors send half-precision "
+            "gradients), or use thinwire.DistributedOptimizer"
+        )
     if getattr(model, "_comm_hooks", None):
         raise RuntimeError(
             "this DDP model already has a communication hook (from thinwire.register or "
@@ -166,6 +173,6 @@ def compressed_hook(
 def _for_ddp(future: torch.futures.Future) -> torch.futures.Future:
     """``future``, chained so that its failure reaches DDP as an error: DDP's reducer (C++)
     cannot read an exception set from Python as a result ("Unable to cast ... to Tensor").
-    Its ``backward()`` then raises a RuntimeError whose message begins with the name and
-    message of thinwire's error (``NonFiniteGradientError: ...``)."""
+    Its ``backward()`` then raises a RuntimeError whose message contains the name and
+    message of thinwire's error (``... NonFiniteGradientError: ...``)."""
     return future.then(lambda done: done.value())

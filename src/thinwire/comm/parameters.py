@@ -22,15 +22,25 @@ def ignored_names(model: nn.Module | Iterable[tuple[str, nn.Parameter]]) -> set[
     return set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
 
 
+#: the attribute thinwire.sparse sets on its tables' weights
+TABLE_MARK = "_thinwire_sparse_table"
+
+
+def is_table(param: nn.Parameter) -> bool:
+    """Whether ``param`` is the weight of a :mod:`thinwire.sparse` table (found however the
+    parameters were handed over: a module, a submodule, ``(name, parameter)`` pairs)."""
+    return bool(getattr(param, TABLE_MARK, False))
+
+
 def split_parameters(
     model: nn.Module | Iterable[tuple[str, nn.Parameter]],
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """``model``'s ``(name, parameter)`` pairs to average (those that require gradients)
     and those left out for now (frozen), both less the ones ``model`` tells data-parallel
-    wrappers to leave alone (:func:`ignored_names`)."""
+    wrappers to leave alone (:func:`ignored_names`) and :mod:`thinwire.sparse`'s tables."""
     ignored = ignored_names(model)
     named = model.named_parameters() if isinstance(model, nn.Module) else model
-    given = [(name, p) for name, p in named if name not in ignored]
+    given = [(name, p) for name, p in named if name not in ignored and not is_table(p)]
     return [(n, p) for n, p in given if p.requires_grad], [
         (n, p) for n, p in given if not p.requires_grad
     ]

@@ -118,8 +118,8 @@ class DelayedAveraging:
         fuse_rounds: send each bucket's later rounds in the collectives of the next
             bucket's first, as ``DistributedOptimizer`` does (``False``: each bucket's
             rounds alone).
-        group: the process group; default: the global one. With ``delay > 0`` the
-            exchanges run on a new process group of the same ranks, so the program's own
+        group: the process group; default: the global one. The exchanges run on a new
+            process group of the same ranks, so the program's own
             collectives on ``group`` between steps (a logged loss) cannot meet them.
         broadcast_parameters: copy rank 0's parameters to every rank at construction.
         **options: compressor options when ``compressor`` is a name.
@@ -152,7 +152,6 @@ class DelayedAveraging:
         # the exchanges run in the background between steps, on a process group of their
         # own: the program's collectives on ``group`` (a logged loss, a second wrapper)
         # would otherwise interleave with them, in a different order on each rank.
-        self._group = group
         self._sync = DistributedOptimizer(
             optimizer,
             model,
@@ -163,7 +162,7 @@ class DelayedAveraging:
             fuse_rounds=fuse_rounds,
             group=group,
             broadcast_parameters=broadcast_parameters,
-            own_group=delay > 0,
+            own_group=True,  # also for D = 0: ranks disagreeing on D must not hang here
             **options,
         )
         self._delay = delay
@@ -334,10 +333,9 @@ class DelayedAveraging:
 
     def flush(self) -> None:
         """Wait for every exchange in flight and apply its correction, oldest first; ranks
-        then hold the same weights. Call before evaluation and checkpoints (collective:
-        every rank calls it after the same number of steps)."""
-        if self._delay > 0:
-            self._agree_on_steps()
+        then hold the same weights. Call before evaluation and checkpoints. It waits for
+        this rank's exchanges only, so one rank may flush alone; but every rank must have
+        called step() as many times, or the one with more waits out the timeout."""
         if self._replay is not None:
             if self._pending:
                 self._advance_consensus(self._replay, keep=0)
@@ -345,19 +343,6 @@ class DelayedAveraging:
             return
         while self._pending:
             self._correct(self._pending.popleft())
-
-    def _agree_on_steps(self) -> None:
-        """Refuse on every rank, before waiting, a flush after a different number of
-        steps: the rank with more would wait out the timeout for exchanges the others
-        never join, and the others would return without its last steps."""
-        ((lowest, highest),) = value_ranges([self._started], self._group)
-        if lowest != highest:
-            raise RankMismatchError(
-                f"DelayedAveraging.flush() after {self._started} step(s) on rank "
-                f"{self.engine.rank}, but the ranks took {lowest} to {highest}: every rank must "
-                "call step() as many times (a rank that ran out of data must still step, "
-                "e.g. on an empty batch's zero gradients)"
-            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (as the wrapped optimizer does)."""

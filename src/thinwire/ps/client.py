@@ -30,7 +30,7 @@ from torch import nn
 from thinwire.comm.collectives import _group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
 from thinwire.comm.optimizer import check_first_order
-from thinwire.comm.parameters import ignored_names, split_parameters
+from thinwire.comm.parameters import ignored_names, is_table, split_parameters
 from thinwire.compress.base import Compressor, Memory, is_integer, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
@@ -114,7 +114,9 @@ class ParameterServer:
                 f"{'room' if colocated else 'worker'}: use fewer servers"
                 + ("" if colocated else " or colocated=True")
             )
-        left_alone = sorted(ignored_names(model))
+        named = list(model.named_parameters() if isinstance(model, nn.Module) else model)
+        tables = [name for name, p in named if is_table(p)]
+        left_alone = sorted(ignored_names(model) | set(tables))
         if left_alone:
             raise ValueError(
                 f"the model tells data-parallel wrappers to leave {', '.join(left_alone[:3])}"
@@ -123,7 +125,7 @@ class ParameterServer:
                 "shards. Convert the tables back with thinwire.sparse.dense_embeddings(model), "
                 "or train a model with sparse tables under DDP or DistributedOptimizer"
             )
-        self.parameters, _ = split_parameters(model)
+        self.parameters, _ = split_parameters(named)
         if not self.parameters:
             raise ValueError("the model has no parameters that require gradients")
         built = build_compressor(compressor, **options)

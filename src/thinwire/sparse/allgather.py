@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import run_collective, sibling_group
+from thinwire.comm.parameters import TABLE_MARK
 from thinwire.sparse.embedding import SparseTraffic, agree_on_table, check_ids, check_table
 
 
@@ -59,14 +60,17 @@ class AllGatherEmbedding(nn.Module):
         self.sparse_grad = sparse_grad
         self.overlap, self.seed = overlap, seed
         # replicas drawn from different seeds would differ for good, without an error
+        # (compared modulo 2**62: torch takes seeds up to 2**64 - 1)
+        self._seed_key = seed % 2**62
         agree_on_table(
             self,
-            ("num_embeddings", "embedding_dim", "overlap", "sparse_grad", "seed"),
+            ("num_embeddings", "embedding_dim", "overlap", "sparse_grad", "_seed_key"),
             "all-gather tables",
         )
         self._group = sibling_group(group) if overlap else group
         generator = torch.Generator().manual_seed(seed)
         self.weight = nn.Parameter(torch.randn(num_embeddings, embedding_dim, generator=generator))
+        setattr(self.weight, TABLE_MARK, True)  # wrappers leave it alone
         self.traffic = SparseTraffic()
 
     def forward(self, ids: Tensor) -> Tensor:

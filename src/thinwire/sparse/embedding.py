@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import run_collective, sibling_group, value_ranges
+from thinwire.comm.parameters import TABLE_MARK
 from thinwire.compress.base import is_integer
 from thinwire.errors import RankMismatchError
 
@@ -213,6 +214,7 @@ class ShardedEmbedding(nn.Module):
         self.weight = nn.Parameter(
             initial_shard(num_embeddings, embedding_dim, seed, self.rank, self.world)
         )
+        setattr(self.weight, TABLE_MARK, True)  # wrappers leave it alone
         self.traffic = SparseTraffic()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._pending: tuple[Tensor, Future[Route]] | None = None

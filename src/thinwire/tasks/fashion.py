@@ -142,8 +142,8 @@ class FashionTask(Task):
 
     def batch(self, rank: int, world_size: int, step: int) -> tuple[Tensor, Tensor]:
         """Images (batch_size, 1, 28, 28) and labels (batch_size,) from ``rank``'s shard."""
-        data = self.data
         check_rank(rank, world_size, COUNTS["train"], step)
+        data = self.data
         shard_size = len(range(rank, COUNTS["train"], world_size))
         pick = torch.randint(
             shard_size, (self.batch_size,), generator=step_generator(self.seed, rank, step)

@@ -178,7 +178,7 @@ class PackagesTask(Task):
 
     def batch(self, rank: int, world_size: int, step: int) -> tuple[Tensor, Tensor]:
         """Word ids (batch_size, length) and labels (batch_size,) from ``rank``'s shard."""
-        check_rank(rank, world_size)
+        check_rank(rank, world_size, step=step)
         count = len(self._order)
         begin, end = rank * count // world_size, (rank + 1) * count // world_size
         if end <= begin:

@@ -43,10 +43,19 @@ def task(name: str | Task, **options: Any) -> Task:
             f"task {name!r} has no option(s) {', '.join(unknown)}; "
             f"its options are: {', '.join(sorted(accepted)) or 'none'}"
         )
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls) if any(accepted[key] is None for key in options) else {}
     for key, value in options.items():
         _check_kind(name, key, value, accepted[key], hints.get(key))
     return cls(**options)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """The task's declared option types, or none where they cannot be resolved (names
+    imported only for type checkers): its own checks then stand alone."""
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        return {}
 
 
 #: what an option may be, by the kind of its default, and how to say it

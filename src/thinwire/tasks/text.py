@@ -172,7 +172,7 @@ class TextTask(Task):
 
     def batch(self, rank: int, world_size: int, step: int) -> tuple[Tensor, Tensor]:
         """Inputs and next-byte targets, both int64 (batch_size, seq_len), from ``rank``'s shard."""
-        check_rank(rank, world_size)
+        check_rank(rank, world_size, step=step)
         train = self.corpus.train
         begin = rank * len(train) // world_size
         end = (rank + 1) * len(train) // world_size
