@@ -3,8 +3,10 @@
 A model may tell DDP to leave some parameters alone (``_ddp_params_and_buffers_to_ignore``,
 set through ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``):
 :mod:`thinwire.sparse` does so for its tables, whose shards differ from rank to rank by
-design and travel in their own exchange. thinwire's wrappers honour the same list, so
-that they neither overwrite those shards with rank 0's nor average them.
+design and travel in their own exchange. thinwire's wrappers honour the same list, and
+also skip any weight :mod:`thinwire.sparse` marked as a table (however the parameters
+were handed over), so that they neither overwrite those shards with rank 0's nor average
+them.
 """
 
 from __future__ import annotations

@@ -119,8 +119,8 @@ class DelayedAveraging:
             bucket's first, as ``DistributedOptimizer`` does (``False``: each bucket's
             rounds alone).
         group: the process group; default: the global one. The exchanges run on a new
-            process group of the same ranks, so the program's own
-            collectives on ``group`` between steps (a logged loss) cannot meet them.
+            process group of the same ranks, so the program's own collectives on
+            ``group`` between steps (a logged loss) cannot meet them.
         broadcast_parameters: copy rank 0's parameters to every rank at construction.
         **options: compressor options when ``compressor`` is a name.
     """
@@ -148,10 +148,10 @@ class DelayedAveraging:
         delay, lanes = int(delay), int(lanes)
         # The synchronous wrapper validates the options, checks that every rank has the
         # same parameters and compressor, broadcasts rank 0's weights and makes the
-        # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets. With D > 0
-        # the exchanges run in the background between steps, on a process group of their
-        # own: the program's collectives on ``group`` (a logged loss, a second wrapper)
-        # would otherwise interleave with them, in a different order on each rank.
+        # buckets; D = 0 is its step, and D > 0 reuses its engine and buckets. The
+        # exchanges run on a process group of their own: with D > 0 they run in the
+        # background between steps, and the program's collectives on ``group`` (a logged
+        # loss, a second wrapper) would otherwise interleave with them.
         self._sync = DistributedOptimizer(
             optimizer,
             model,
