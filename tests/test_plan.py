@@ -521,10 +521,6 @@ def test_plan_command_models_ddps_buckets_and_buffer_broadcast(tmp_path, capsys)
         (["--workers", "4", "--bandwidth", "1gbit", "--latency", "soon"], "latency 'soon'"),
         (["--workers", "4", "--bandwidth", "1gbit", "--methods", "zip"], "unknown method 'zip'"),
         (["--workers", "4", "--bandwidth", "1gbit", "--options", "{"], "--options is not valid"),
-        (
-            ["--workers", "4", "--bandwidth", "1gbit", "--bucket-cap-mb", "0"],
-            "--bucket-cap-mb must be > 0 MB, got 0.0",
-        ),
         (["--workers", "4", "--bandwidth", "1gbit", "--task-options", "[1]"], "a JSON object"),
         # found before the plan runs (it printed the table, then a bare IsADirectoryError)
         (["--workers", "4", "--bandwidth", "1gbit", "--json", "."], "--json . is a directory"),

@@ -4,9 +4,16 @@ import thinwire
 thinwire.compressors()                              # names and one-line summaries
 engine = thinwire.register(ddp_model, "dgc", density=0.001)   # DDP hook
 opt = thinwire.DistributedOptimizer(torch.optim.SGD(...), model, "powersgd", rank=2)
+ddp = DistributedDataParallel(model, bucket_cap_mb_list=thinwire.tapered_buckets(model))
 """
 
-from thinwire.comm import DistributedOptimizer, GradientExchange, StepStats, register
+from thinwire.comm import (
+    DistributedOptimizer,
+    GradientExchange,
+    StepStats,
+    register,
+    tapered_buckets,
+)
 from thinwire.compress import Compressor, compressor, compressors, register_compressor
 from thinwire.dp import DelayedAveraging
 from thinwire.errors import (
@@ -34,5 +41,6 @@ __all__ = [
     "compressors",
     "register",
     "register_compressor",
+    "tapered_buckets",
 ]
 __version__ = "0.1.0"

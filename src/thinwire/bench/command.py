@@ -11,6 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from thinwire.comm.buckets import parse_bucket_spec
+
 #: learning rates that train each task well with SGD (momentum 0.9) at its default batch
 DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5, "packages": 1.0}
 
@@ -84,9 +86,11 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
     """The DDP options ``thinwire bench`` runs with and ``thinwire plan`` models."""
     parser.add_argument(
         "--bucket-cap-mb",
-        type=float,
+        type=_bucket_spec,
         default=None,
-        help="DDP bucket size in MB (default: DDP's own, 1 MB then 25 MB)",
+        help="DDP bucket size in MB, or 'tapered': large buckets first, small ones at the "
+        "end of the backward pass (thinwire.tapered_buckets; default: DDP's own, 1 MB then "
+        "25 MB)",
     )
     parser.add_argument(
         "--no-broadcast-buffers",
@@ -94,6 +98,14 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
         help="DDP without its broadcast of rank 0's batch-norm "
         "statistics before every forward pass (each rank keeps its own; eval uses rank 0's)",
     )
+
+
+def _bucket_spec(text: str) -> float | str:
+    """``--bucket-cap-mb``'s value; argparse reports a ``ValueError``'s message as given."""
+    try:
+        return parse_bucket_spec(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _json_option(flag: str, text: str | None) -> Any:

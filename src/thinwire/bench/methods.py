@@ -22,6 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
+from thinwire.comm.buckets import BucketSpec, ddp_bucket_options
+from thinwire.compress.base import is_real
 from thinwire.plan.methods import (
     EMBEDDING_KINDS,
     WRAPPER_KINDS,
@@ -149,14 +151,15 @@ def wrap(
     method: Method,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    bucket_cap_mb: float | None = None,
+    bucket_cap_mb: BucketSpec = None,
     fuse_rounds: bool = True,
     broadcast_buffers: bool = True,
 ) -> Wrapped:
     """``model`` made data parallel by ``method``.
 
     ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
-    and 25 MB after it; also the bucket size of ``dga``). ``fuse_rounds``: the option of
+    and 25 MB after it; ``"tapered"``: :func:`thinwire.tapered_buckets`; a size is also
+    the bucket size of ``dga``, which otherwise takes 25 MB). ``fuse_rounds``: the option of
     that name of the DDP hook (:func:`thinwire.register`) and of ``dga``.
     ``broadcast_buffers``: DDP's option (rank 0's buffers, e.g. batch-norm statistics,
     sent to all at every forward).
@@ -175,7 +178,7 @@ def wrap(
             options["compressor"],
             delay=options["delay"],
             lanes=options["lanes"],
-            bucket_cap_mb=bucket_cap_mb or 25.0,
+            bucket_cap_mb=bucket_cap_mb if is_real(bucket_cap_mb) else 25.0,
             fuse_rounds=fuse_rounds,
             **options["compressor_options"],
         )
@@ -194,8 +197,7 @@ def wrap(
         return Wrapped(model, ps, None, ps.close)
     ddp_options = buffer_sync_options(broadcast_buffers)
     if kind in EMBEDDING_KINDS:
-        if bucket_cap_mb is not None:
-            ddp_options["bucket_cap_mb"] = bucket_cap_mb
+        ddp_options.update(ddp_bucket_options(bucket_cap_mb, model))
         return _wrap_embedding_model(method, model, optimizer, ddp_options, fuse_rounds)
     if kind is Kind.DDP_POWERSGD:
         # powerSGD_hook issues its Q all-reduce from a future callback; with several
@@ -203,9 +205,8 @@ def wrap(
         # size-mismatch crash at 10 Mbit/s). One bucket keeps every rank's order the same.
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         ddp = DistributedDataParallel(model, bucket_cap_mb=model_mb + 1, **ddp_options)
-    elif bucket_cap_mb is not None:
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_options)
     else:
+        ddp_options.update(ddp_bucket_options(bucket_cap_mb, model))
         ddp = DistributedDataParallel(model, **ddp_options)
     if kind is Kind.DDP:
         return Wrapped(ddp, optimizer)

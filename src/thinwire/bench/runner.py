@@ -45,6 +45,7 @@ from thinwire.bench.worker import (
 )
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.cluster.private import check_private_loopback, private_loopback
+from thinwire.comm.buckets import BucketSpec, check_bucket_spec
 from thinwire.launch import LocalPool, Placement
 from thinwire.plan.methods import (
     EMBEDDING_KINDS,
@@ -72,7 +73,7 @@ class BenchConfig:
     network: str = "emulated"
     measure_from: int | None = None
     evaluate: bool = True
-    bucket_cap_mb: float | None = None
+    bucket_cap_mb: BucketSpec = None
     fuse_rounds: bool = True
     timeout_s: float = 3600.0
     lr_schedule: str = "constant"
@@ -108,8 +109,7 @@ class BenchConfig:
             )
         for method in self.methods:
             check_servers(method.name, method.options, self.workers)
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0 MB, got {self.bucket_cap_mb!r}")
+        check_bucket_spec(self.bucket_cap_mb)
         check_lr_schedule(self.lr_schedule)
         if self.compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")

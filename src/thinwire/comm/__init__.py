@@ -1,5 +1,6 @@
 """Communication: collectives, the exchange engine and its front ends."""
 
+from thinwire.comm.buckets import tapered_buckets
 from thinwire.comm.collectives import (
     AllGatherCommunicator,
     AllReduceCommunicator,
@@ -20,4 +21,5 @@ __all__ = [
     "StepStats",
     "make_communicator",
     "register",
+    "tapered_buckets",
 ]

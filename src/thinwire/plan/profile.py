@@ -4,7 +4,9 @@
   (median of a few runs after warm-up), and when each parameter's gradient is ready
   during the backward pass (which decides how much communication can overlap it).
 - :func:`ddp_buckets`: DDP's gradient buckets (after its first-iteration rebuild: in the
-  order gradients become ready, the first one capped at 1 MiB, the others at 25 MiB).
+  order gradients become ready, the first one capped at 1 MiB, the others at 25 MiB, or
+  one limit per bucket); :func:`bucket_groups` for a ``bucket_cap_mb`` as the bench takes
+  it (a size, or ``"tapered"``).
 - :func:`measure_method`: per bucket, the collectives a method issues (kind and bytes)
   and the CPU time of its compression and decompression, on random gradients of the
   model's real shapes; for the embedding methods, also the tables' traffic, from the ids
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from thinwire.comm.buckets import BucketSpec, assign_buckets, bucket_limits_mb
 from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
@@ -154,13 +157,15 @@ def ddp_buckets(
     *,
     bucket_cap_mb: float = BUCKET_CAP_MB,
     first_bucket_mb: float = FIRST_BUCKET_MB,
+    limits_mb: Sequence[float] | None = None,
 ) -> list[list[str]]:
     """DDP's buckets of ``params`` (names), in the order DDP reduces them.
 
     Parameters are taken in gradient-ready ``order`` (default: reverse definition order,
     what the backward pass usually produces); a bucket closes once it holds at least its
     limit: ``first_bucket_mb`` for the first, ``bucket_cap_mb`` for the others (DDP's
-    rebuilt buckets after the first iteration, for one dtype and device).
+    rebuilt buckets after the first iteration, for one dtype and device), or
+    ``limits_mb[i]`` for bucket ``i``, the last repeated (DDP's ``bucket_cap_mb_list``).
     """
     if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
         raise ValueError(
@@ -168,23 +173,37 @@ def ddp_buckets(
             f"first_bucket_mb={first_bucket_mb}"
         )
     sizes = {name: t.numel() * t.element_size() for name, t in params}
+    names = _ready_names(params, order)
+    limits = [first_bucket_mb, bucket_cap_mb] if limits_mb is None else list(limits_mb)
+    groups = assign_buckets([sizes[n] for n in names], [int(limit * MB) for limit in limits])
+    return [[names[i] for i in group] for group in groups]
+
+
+def _ready_names(params: NamedTensors, order: Sequence[str] | None) -> list[str]:
+    """``params``' names in ready ``order`` (default: reverse definition order), checked."""
+    sizes = {name for name, _ in params}
     names = list(order) if order is not None else [n for n, _ in reversed(params)]
-    missing = set(sizes) - set(names)
-    if missing or len(names) != len(sizes) or set(names) != set(sizes):
+    missing = sizes - set(names)
+    if missing or len(names) != len(sizes) or set(names) != sizes:
         raise ValueError(
             f"order must name each of the {len(sizes)} parameters once; "
             f"missing {sorted(missing)[:5]}, got {len(names)} names"
         )
-    limits = [int(first_bucket_mb * MB), int(bucket_cap_mb * MB)]
-    buckets: list[list[str]] = [[]]
-    filled = 0
-    for name in names:
-        buckets[-1].append(name)
-        filled += sizes[name]
-        if filled >= limits[min(len(buckets) - 1, 1)]:
-            buckets.append([])
-            filled = 0
-    return [b for b in buckets if b]
+    return names
+
+
+def bucket_groups(
+    params: NamedTensors, order: Sequence[str] | None, spec: BucketSpec
+) -> list[list[str]]:
+    """DDP's buckets (names, reduction order) under ``bucket_cap_mb`` = ``spec``: DDP's
+    default (``None`` or :data:`BUCKET_CAP_MB`: a 1 MB first bucket, then 25 MB), one
+    size for every bucket, or ``"tapered"`` (:func:`thinwire.tapered_buckets`)."""
+    if spec == BUCKET_CAP_MB:
+        spec = None
+    sizes = {name: t.numel() * t.element_size() for name, t in params}
+    names = _ready_names(params, order)
+    limits = bucket_limits_mb(spec, [sizes[n] for n in names])
+    return ddp_buckets(params, names, limits_mb=limits)
 
 
 def measure_method(
@@ -194,7 +213,7 @@ def measure_method(
     world_size: int,
     options: Mapping[str, Any] | None = None,
     compute: ComputeProfile | None = None,
-    bucket_cap_mb: float = BUCKET_CAP_MB,
+    bucket_cap_mb: BucketSpec = BUCKET_CAP_MB,
     repeats: int = 3,
     seed: int = 0,
     fuse_rounds: bool = True,
@@ -249,8 +268,7 @@ def measure_method(
     else:
         # DDP's small first bucket applies only to its default size; a cap given
         # explicitly is the first bucket's too
-        first = FIRST_BUCKET_MB if bucket_cap_mb == BUCKET_CAP_MB else bucket_cap_mb
-        groups = ddp_buckets(params, order, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first)
+        groups = bucket_groups(params, order, bucket_cap_mb)
     exchanger = _exchanger(kind, method, opts, world_size, fuse_rounds)
     ready_of = (lambda names: max(compute.ready[n] for n in names)) if compute else None
     buckets = _measure_buckets(
@@ -635,7 +653,7 @@ def profile_model(
     world_size: int,
     repeats: int = 5,
     method_repeats: int = 3,
-    bucket_cap_mb: float = BUCKET_CAP_MB,
+    bucket_cap_mb: BucketSpec = BUCKET_CAP_MB,
     fuse_rounds: bool = True,
     broadcast_buffers: bool = True,
     lookups: Sequence[TableLookups] | None = None,

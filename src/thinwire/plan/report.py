@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
+from thinwire.comm.buckets import check_bucket_spec
 from thinwire.plan.cost import (
     BreakEven,
     Link,
@@ -40,7 +41,8 @@ class PlanRequest:
     latency_s: float
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_options: dict[str, Any] = field(default_factory=dict)
-    bucket_cap_mb: float | None = None  #: None: DDP's default (1 MB, then 25 MB)
+    #: None: DDP's default (1 MB, then 25 MB); a size in MB; "tapered"
+    bucket_cap_mb: float | str | None = None
     broadcast_buffers: bool = True  #: DDP's option: buffers sent before each forward
 
 
@@ -51,7 +53,7 @@ def parse_request(
     latency: str,
     methods: str = "",
     options: str = "",
-    bucket_cap_mb: float | None = None,
+    bucket_cap_mb: float | str | None = None,
     broadcast_buffers: bool = True,
     task_options: str = "",
 ) -> PlanRequest:
@@ -71,8 +73,7 @@ def parse_request(
     if rate is None:
         raise ValueError(f"--bandwidth must be a finite rate such as 100mbit, got {bandwidth!r}")
     delay = parse_duration(latency)
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-        raise ValueError(f"--bucket-cap-mb must be > 0 MB, got {bucket_cap_mb!r}")
+    check_bucket_spec(bucket_cap_mb, "--bucket-cap-mb")
     names = [n.strip() for n in methods.split(",") if n.strip()] or list(DEFAULT_PLAN_METHODS)
     chosen: dict[str, dict[str, Any]] = {name: {} for name in names}
     if options:
