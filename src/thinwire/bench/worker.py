@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from thinwire.bench.methods import Method, prepare, wrap
 from thinwire.bench.sleeping import Stage, profile_stages, sleeping_twin
+from thinwire.comm.buckets import BucketSpec
 from thinwire.tasks import task as build_task
 
 
@@ -50,7 +51,7 @@ class BenchJob:
     interface: str = "lo"
     progress: str | None = None
     evaluate: bool = True
-    bucket_cap_mb: float | str | None = None  #: a size in MB, "tapered", None: DDP's
+    bucket_cap_mb: BucketSpec = None  #: a size in MB, "tapered", None: DDP's
     fuse_rounds: bool = True
     lr_schedule: str = "constant"
     stages: tuple[Stage, ...] | None = None  #: if set, compute sleeps (bench.sleeping)

@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -170,8 +171,6 @@ def ddp_bucket_options(spec: BucketSpec, model: nn.Module) -> dict[str, Any]:
     if spec != TAPERED:
         return {"bucket_cap_mb": spec}
     if not takes_bucket_lists():
-        import torch
-
         raise ValueError(
             f"tapered buckets need DistributedDataParallel(bucket_cap_mb_list=...), which "
             f"torch {torch.__version__} lacks: upgrade torch, or give a size in MB instead"

@@ -32,7 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from thinwire.comm.buckets import BucketSpec, assign_buckets, bucket_limits_mb
+from thinwire.comm.buckets import (
+    DDP_DEFAULT_LIMITS_MB,
+    MB,
+    BucketSpec,
+    assign_buckets,
+    bucket_limits_mb,
+)
 from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
@@ -58,9 +64,7 @@ from thinwire.plan.methods import (
 )
 
 #: DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``)
-FIRST_BUCKET_MB = 1.0
-BUCKET_CAP_MB = 25.0
-MB = 2**20
+FIRST_BUCKET_MB, BUCKET_CAP_MB = DDP_DEFAULT_LIMITS_MB
 #: how many steps of every rank's batches the embedding lookups are measured on
 LOOKUP_STEPS = 4
 
@@ -181,12 +185,12 @@ def ddp_buckets(
 
 def _ready_names(params: NamedTensors, order: Sequence[str] | None) -> list[str]:
     """``params``' names in ready ``order`` (default: reverse definition order), checked."""
-    sizes = {name for name, _ in params}
+    known = {name for name, _ in params}
     names = list(order) if order is not None else [n for n, _ in reversed(params)]
-    missing = sizes - set(names)
-    if missing or len(names) != len(sizes) or set(names) != sizes:
+    missing = known - set(names)
+    if missing or len(names) != len(known) or set(names) != known:
         raise ValueError(
-            f"order must name each of the {len(sizes)} parameters once; "
+            f"order must name each of the {len(known)} parameters once; "
             f"missing {sorted(missing)[:5]}, got {len(names)} names"
         )
     return names
@@ -197,7 +201,8 @@ def bucket_groups(
 ) -> list[list[str]]:
     """DDP's buckets (names, reduction order) under ``bucket_cap_mb`` = ``spec``: DDP's
     default (``None`` or :data:`BUCKET_CAP_MB`: a 1 MB first bucket, then 25 MB), one
-    size for every bucket, or ``"tapered"`` (:func:`thinwire.tapered_buckets`)."""
+    size given explicitly (the first bucket's too, as DDP does), or ``"tapered"``
+    (:func:`thinwire.tapered_buckets`)."""
     if spec == BUCKET_CAP_MB:
         spec = None
     sizes = {name: t.numel() * t.element_size() for name, t in params}
@@ -266,8 +271,6 @@ def measure_method(
         # callback-issued all-reduces race between buckets there): model it that way
         groups = [[n for n, _ in reversed(params)] if order is None else list(order)]
     else:
-        # DDP's small first bucket applies only to its default size; a cap given
-        # explicitly is the first bucket's too
         groups = bucket_groups(params, order, bucket_cap_mb)
     exchanger = _exchanger(kind, method, opts, world_size, fuse_rounds)
     ready_of = (lambda names: max(compute.ready[n] for n in names)) if compute else None

@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from thinwire.comm.buckets import check_bucket_spec
+from thinwire.comm.buckets import BucketSpec, check_bucket_spec
 from thinwire.plan.cost import (
     BreakEven,
     Link,
@@ -42,7 +42,7 @@ class PlanRequest:
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_options: dict[str, Any] = field(default_factory=dict)
     #: None: DDP's default (1 MB, then 25 MB); a size in MB; "tapered"
-    bucket_cap_mb: float | str | None = None
+    bucket_cap_mb: BucketSpec = None
     broadcast_buffers: bool = True  #: DDP's option: buffers sent before each forward
 
 
@@ -53,7 +53,7 @@ def parse_request(
     latency: str,
     methods: str = "",
     options: str = "",
-    bucket_cap_mb: float | str | None = None,
+    bucket_cap_mb: BucketSpec = None,
     broadcast_buffers: bool = True,
     task_options: str = "",
 ) -> PlanRequest:
