@@ -55,13 +55,21 @@ MODULES = [
 DENSITY = 0.001
 
 
+def sync() -> None:
+    """Wait for queued GPU work (nothing to wait for on the CPU), so host clocks time it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_ms(run: Callable[[], Any], repeats: int) -> float:
     """Median wall time of ``run`` in milliseconds, after one untimed warm-up call."""
     run()
     times = []
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         run()
+        sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
@@ -146,7 +154,7 @@ def hook_orthogonalize(matrices: Tensor, eps: float) -> None:
     columns for rank <= 2, else ``torch.linalg.qr`` written back in place."""
     batch, _, rank = matrices.shape
     if rank > 2:
-        r_factor = torch.empty(batch, rank, rank, dtype=matrices.dtype)
+        r_factor = torch.empty(batch, rank, rank, dtype=matrices.dtype, device=matrices.device)
         torch.linalg.qr(matrices, out=(matrices, r_factor))
         return
     for i in range(rank):
@@ -161,11 +169,13 @@ class HookMath:
     """State and one step of ``powerSGD_hook`` (use_error_feedback, warm_start) for one
     gradient tensor: ``step(bucket)`` turns the bucket into the decompressed mean."""
 
-    def __init__(self, n: int, m: int, rank: int, eps: float = 1e-8) -> None:
+    def __init__(
+        self, n: int, m: int, rank: int, eps: float = 1e-8, device: torch.device | str = "cpu"
+    ) -> None:
         self.n, self.m, self.rank, self.eps = n, m, rank, eps
         self.error: Tensor | None = None
-        self.p = torch.empty(1, n, rank)
-        self.q = torch.randn(1, m, rank, generator=torch.Generator().manual_seed(0))
+        self.p = torch.empty(1, n, rank, device=device)
+        self.q = torch.randn(1, m, rank, generator=torch.Generator().manual_seed(0)).to(device)
         hook_orthogonalize(self.q, eps)
 
     def step(self, bucket: Tensor) -> Tensor:
@@ -190,15 +200,17 @@ class HookMath:
 def bench_powersgd_vs_hook(grad: Tensor, rank: int, repeats: int) -> dict[str, Any]:
     """thinwire's PowerSGD round (memory included) against the hook math, same matrix."""
     n, m = grad.shape
-    hook = HookMath(n, m, rank)
-    bucket = torch.empty(grad.numel())
+    hook = HookMath(n, m, rank, device=grad.device)
+    bucket = torch.empty(grad.numel(), device=grad.device)
     hook_times = []
     bucket.copy_(grad.reshape(-1))
     hook.step(bucket)  # warm-up: allocates the error
     for _ in range(repeats):
         bucket.copy_(grad.reshape(-1))  # DDP fills the bucket: not timed
+        sync()
         started = time.perf_counter()
         hook.step(bucket)
+        sync()
         hook_times.append(time.perf_counter() - started)
     comp = build_compressor("powersgd", rank=rank)
     memory = comp.make_memory()
@@ -212,8 +224,10 @@ def bench_powersgd_vs_hook(grad: Tensor, rank: int, repeats: int) -> dict[str, A
     thinwire_round(0)
     times = []
     for step in range(1, repeats + 1):
+        sync()
         started = time.perf_counter()
         thinwire_round(step)
+        sync()
         times.append(time.perf_counter() - started)
     hook_ms = statistics.median(hook_times) * 1e3
     ours_ms = statistics.median(times) * 1e3
@@ -235,7 +249,7 @@ def profile_products(grad: Tensor, rank: int, repeats: int) -> dict[str, float]:
     """The products of one PowerSGD round in both layouts, to show where the time goes."""
     matrix = grad.reshape(grad.shape[0], -1)
     n, m = matrix.shape
-    q, p = torch.randn(m, rank), torch.randn(n, rank)
+    q, p = torch.randn(m, rank, device=grad.device), torch.randn(n, rank, device=grad.device)
     qt, pt = q.T.contiguous(), p.T.contiguous()
     out = torch.empty_like(matrix)
     return {
@@ -257,15 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rank", type=int, default=1, help="PowerSGD rank (both sides)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to time on the GPU")
     parser.add_argument("--out", type=Path, default=Path("results/compressors.json"))
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available())")
     torch.set_num_threads(args.threads)
     console = Console(width=110)
 
     rows = max(1, math.isqrt(args.numel))
     shape = (rows, args.numel // rows)
-    grad = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    console.print(f"gradient {shape[0]} x {shape[1]} fp32, {args.threads} thread(s)")
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    console.print(f"gradient {shape[0]} x {shape[1]} fp32 on {where}, {args.threads} thread(s)")
 
     skipped: dict[str, str] = {}
     for module in MODULES:
@@ -308,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in ratios:
             targets[f"{name} < 1/3 of torch.topk time"] = ratios[key] < 1 / 3
 
-    table = Table(title=f"one exchange round, {shape[0]}x{shape[1]} fp32, 1 process")
+    table = Table(title=f"one exchange round, {shape[0]}x{shape[1]} fp32 on {where}, 1 process")
     for column in ("compressor", "exchange ms", "with memory ms", "wire bytes", "ratio"):
         table.add_column(column, justify="left" if column == "compressor" else "right")
     for name, row in results.items():
@@ -357,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(products)
 
     report = {
-        "command": f"python bench/compressors.py --numel {args.numel} --rank {args.rank}",
+        "command": f"python bench/compressors.py --numel {args.numel} --rank {args.rank}"
+        + (f" --device {args.device}" if device.type != "cpu" else ""),
+        "device": where,
         "shape": list(shape),
         "threads": args.threads,
         "repeats": args.repeats,

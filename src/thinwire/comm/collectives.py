@@ -161,10 +161,10 @@ class AllGatherCommunicator(Communicator):
 
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
         tensors = [t for request in requests for t in request.tensors]
-        own = torch.cat(
-            [_as_bytes(t) for t in tensors] + [torch.tensor([int(poison)], dtype=torch.uint8)]
-        )
-        gathered = torch.empty(self.world_size * own.numel(), dtype=torch.uint8)
+        device = tensors[0].device if tensors else control_device(self.group)
+        status = torch.tensor([int(poison)], dtype=torch.uint8, device=device)
+        own = torch.cat([_as_bytes(t) for t in tensors] + [status])
+        gathered = torch.empty(self.world_size * own.numel(), dtype=torch.uint8, device=device)
         self._gather(gathered, own)
         per_rank = gathered.view(self.world_size, own.numel())
         poisoned = bool(per_rank[:, -1].any())
@@ -307,9 +307,21 @@ def value_ranges(
     """The lowest and highest of each of ``values`` over the ranks of ``group``, from one
     all-reduce (max over ``[x, -x]``): equal on every rank where the ranks agree.
     Collective: every rank calls it with as many values."""
-    probe = torch.tensor([v for value in values for v in (int(value), -int(value))])
+    probe = torch.tensor(
+        [v for value in values for v in (int(value), -int(value))], device=control_device(group)
+    )
     run_collective("a settings check", dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
     return [(-int(probe[2 * i + 1]), int(probe[2 * i])) for i in range(len(values))]
+
+
+def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where thinwire's small control tensors (settings checks, status bytes) must live for
+    ``group``'s collectives: the CPU when its backend carries CPU tensors (gloo, MPI, or a
+    ``cpu:gloo,cuda:nccl`` pair), else this process's current CUDA device (NCCL alone)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
@@ -335,7 +347,10 @@ def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None
     """The process group's collective timeout (``None`` if unknown): for error messages and
     for the groups :func:`sibling_group` makes."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group
-    for holder in (pg, getattr(pg, "_get_backend", lambda device: None)(torch.device("cpu"))):
+    holders = [lambda: pg]
+    for kind in ("cpu", "cuda"):  # an NCCL-only group has no CPU backend, and says so by raising
+        holders.append(lambda kind=kind: pg._get_backend(torch.device(kind)))
+    for holder in holders:
         with contextlib.suppress(Exception):  # private API: its shape differs across versions
-            return holder.options._timeout  # type: ignore[union-attr]
+            return holder().options._timeout  # type: ignore[union-attr]
     return None

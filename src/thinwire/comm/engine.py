@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from thinwire.comm.collectives import Communicator, Traffic, make_communicator, run_collective
+from thinwire.comm.collectives import (
+    Communicator,
+    Traffic,
+    control_device,
+    make_communicator,
+    run_collective,
+)
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
     Compressor,
@@ -335,7 +341,11 @@ class GradientExchange:
         shapes = list(parameters)
         layout = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in shapes)
         setup = f"{self.compressor!r}|{self.communicator.name}|{type(self.memory).__name__}"
-        mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
+        mine = torch.tensor(
+            [_digest(layout), _digest(setup)],
+            dtype=torch.int64,
+            device=control_device(self.communicator.group),
+        )
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         run_collective(
             "the setup check", dist.all_gather, everyone, mine, group=self.communicator.group
