@@ -15,11 +15,12 @@ Two parts, written to ``DIR/gpu_check.json``:
    * ``gloo x2 cpu``: the same two ranks on the CPU, fp32 only: the reference.
 
    Each run records the losses, whether every parameter stayed finite, whether the ranks
-   hold the same parameters (bit for bit; delayed averaging: within 4 ulps), the median
+   hold the same parameters (bit for bit; delayed averaging: within 8 ulps), the median
    step time, and (compressor ``none``) the largest difference from plain DDP. For each
    compressor, the CUDA run's loss after the first exchange and its last loss are
    compared with the CPU reference's (TF32 off and deterministic kernels, so both compute
-   in fp32 and a rerun gives the same bits).
+   in fp32 and a rerun gives the same bits); the stochastic compressors (``terngrad``,
+   ``qsgd``) draw their random numbers on the GPU there, so they differ from the start.
    ``optimizer:powersgd`` and ``dga:powersgd`` run the two front ends without DDP
    (``DistributedOptimizer``; ``DelayedAveraging`` with delay 1, flushed at the end).
 2. **Compute.** The same model's training step alone (forward, backward, SGD step; no
@@ -188,7 +189,7 @@ def layout_worker(
                 # delayed averaging: each rank's weights are rounded on their own path,
                 # so allow a few units in the last place at the largest weight
                 largest = float(params.abs().max())
-                ulps = 4 * torch.finfo(dtype).eps * largest
+                ulps = 8 * torch.finfo(dtype).eps * largest
                 allowed = ulps if method.startswith("dga:") else 0.0
                 ok = result["finite"] and result["rank_spread"] <= allowed
                 record.update(result, ok=ok)
@@ -323,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             note = r.get("error", "")[:60]
             if "max_diff_from_ddp" in r:
                 note = f"max |none - ddp| {r['max_diff_from_ddp']:.1e}"
+            if r["method"].startswith("dga:") and "rank_spread" in r:
+                note = f"ranks within {r['rank_spread']:.1e}"
             if name == "gloo x2 cuda" and r["dtype"] == "float32" and r["method"] in cpu_diff:
                 note += f" vs cpu {first_diff[r['method']]:.0e}, {cpu_diff[r['method']]:.0e}"
             losses = r.get("losses")

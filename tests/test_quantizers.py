@@ -19,13 +19,16 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import thinwire
+import thinwire.compress.bits
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor, Exchange, Exchanged
 from thinwire.compress.bf16 import BF16
 from thinwire.compress.bits import CHUNK, OutputBuffers, decode, pack, packed_size, unpack
 from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.fp16 import FP16
-from thinwire.compress.onebit import OneBit
+from thinwire.compress.onebit import OneBit, decode_signs
+from thinwire.compress.onebit import encode as onebit_encode
+from thinwire.compress.onebit import encode_rows as onebit_encode_rows
 from thinwire.compress.qsgd import QSGD
 from thinwire.compress.signsgd import SignSGD
 from thinwire.compress.stochastic import RankStream
@@ -915,6 +918,35 @@ def test_long_tensors_pack_and_decode_across_chunks(bits: int, count: int) -> No
     assert torch.equal(decode(packed, bits, values, out), values[codes.long()])
     out.fill_(1.0)
     assert torch.equal(decode(packed, bits, values, out, add=True), 1.0 + values[codes.long()])
+
+
+def test_the_chunk_size_does_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # on a GPU the loops take a whole tensor in one piece (bits.chunk_for); on the CPU in
+    # cache-sized chunks: the codes, scales and decoded values must be the same either way
+    generator = torch.Generator().manual_seed(11)
+    flat = torch.randn(4099, generator=generator)
+    matrix = torch.randn(48, 70, generator=generator)
+    values = torch.randn(4, generator=generator)
+
+    def everything() -> list[Tensor]:
+        packed, scales = onebit_encode(flat)
+        row_packed, row_scales = onebit_encode_rows(matrix)
+        codes = pack(torch.randint(0, 4, (4099,), generator=torch.Generator().manual_seed(1)), 2)
+        return [
+            packed,
+            scales,
+            row_packed,
+            row_scales,
+            decode_signs(row_packed, row_scales, torch.empty(48, 70)),
+            decode(codes, 2, values, torch.empty(4099)),
+        ]
+
+    monkeypatch.setattr(thinwire.compress.bits, "CHUNK", 64)  # many chunks, blocks of 8 rows
+    in_pieces = everything()
+    monkeypatch.setattr(thinwire.compress.bits, "CHUNK", 1 << 25)  # one piece, as on a GPU
+    whole = everything()
+    for a, b in zip(in_pieces, whole, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_pack_refuses_an_out_of_the_wrong_size() -> None:

@@ -42,8 +42,12 @@ GATHER = {
     2: (sum(1 << (6 * k) for k in range(1, 5)), slice(3, 8, 4)),
 }
 
-#: Values per call in the loops over long tensors (4 MiB of fp32: cache-sized pieces).
+#: Values per call in the loops over long tensors on the CPU (4 MiB of fp32: cache-sized
+#: pieces).
 CHUNK = 1 << 20
+#: ... and on a GPU, where each call is a few kernel launches and no cache is to be fitted:
+#: whole gradients in one piece (scratch bounded at 128 MiB of fp32).
+GPU_CHUNK = 1 << 25
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -118,7 +122,7 @@ def decode(packed: Tensor, bits: int, values: Tensor, out: Tensor, add: bool = F
     rows = count // per_row
     table = values[_byte_codes(bits, values.device, pairs)]  # (byte values, per_row)
     body = out[: rows * per_row].view(rows, per_row)
-    step = max(1, min(rows, CHUNK // per_row))
+    step = max(1, min(rows, chunk_for(out.device) // per_row))
     index = torch.empty(step, dtype=torch.int64, device=out.device)  # reused per chunk
     decoded = torch.empty(step if add else 0, per_row, dtype=out.dtype, device=out.device)
     for lo in range(0, rows, step):
@@ -203,6 +207,11 @@ def _unreferenced(tensor: Tensor) -> bool:
         return False
     # references: ``tensor`` itself and the storage object made for the question
     return bool(use_count(tensor.untyped_storage()._cdata) <= 2)
+
+
+def chunk_for(device: torch.device) -> int:
+    """Values per call in the loops over long tensors on ``device``."""
+    return CHUNK if device.type == "cpu" else GPU_CHUNK
 
 
 def chunks(count: int, size: int = CHUNK) -> Iterator[slice]:

@@ -18,9 +18,10 @@ table of the 8 values it stands for, ``-b_r / N`` or ``a_r / N`` each
 Wire: n/8 bytes of signs + 8 bytes of scales, 1.064 bits per value at n = 1000 and
 1.0006 at n = 100 000.
 
-Speed: the signs are found and packed, and the group sums taken, a cache-sized chunk at a
-time; ``mean`` and ``local`` are written into buffers kept from the tensor's last exchange
-(:class:`~thinwire.compress.bits.OutputBuffers`), so no full-size tensor is allocated.
+Speed: the signs are found and packed, and the group sums taken, a chunk at a time
+(cache-sized on the CPU, the whole tensor on a GPU: :func:`~thinwire.compress.bits.chunk_for`);
+``mean`` and ``local`` are written into buffers kept from the tensor's last exchange
+(:class:`~thinwire.compress.bits.OutputBuffers`), so on the CPU no full-size tensor is allocated.
 
 With ``per_row`` (the default), every row (index of the first dimension: an output channel
 of a convolution, an output unit of a linear layer) has its own pair ``(a_j, b_j)``, as
@@ -57,9 +58,9 @@ from thinwire.compress.base import (
     scaled_rows,
 )
 from thinwire.compress.bits import (
-    CHUNK,
     OutputBuffers,
     ScratchBuffer,
+    chunk_for,
     chunks,
     decode,
     pack,
@@ -133,11 +134,12 @@ def encode(flat: Tensor) -> tuple[Tensor, Tensor]:
     packed = torch.empty(packed_size(numel, 1), dtype=torch.uint8, device=flat.device)
     count = torch.zeros((), dtype=torch.int64, device=flat.device)
     sums = torch.zeros(2, dtype=torch.float64, device=flat.device)  # of g over plus, -g
-    size = min(numel, CHUNK)
+    chunk = chunk_for(flat.device)
+    size = min(numel, chunk)
     signs = torch.empty(size, dtype=torch.bool, device=flat.device)
     work = torch.empty(size, dtype=flat.dtype, device=flat.device)
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32  # to sum in
-    for part in chunks(numel):
+    for part in chunks(numel, chunk):
         x, n = flat[part], part.stop - part.start
         plus = torch.ge(x, 0, out=signs[:n])
         pack(plus, 1, out=packed[part.start // 8 : packed_size(part.stop, 1)])
@@ -157,7 +159,7 @@ def encode_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
     packed = torch.empty(packed_size(rows * cols, 1), dtype=torch.uint8, device=matrix.device)
     counts = torch.empty(rows, dtype=torch.int64, device=matrix.device)
     sums = torch.empty(rows, 2, dtype=torch.float64, device=matrix.device)
-    step = _rows_per_block(cols)
+    step = _rows_per_block(cols, matrix.device)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         block = matrix[lo:hi]
@@ -193,7 +195,7 @@ def decode_signs(
     matrix = out.view(rows, -1)
     cols = matrix.shape[1]
     a, b = (scale.unsqueeze(1) for scale in scales.to(out.dtype).unbind(1))
-    step = _rows_per_block(cols)
+    step = _rows_per_block(cols, out.device)
     bits = torch.tensor([0.0, 1.0], dtype=out.dtype, device=out.device)
     block = block if block is not None else ScratchBuffer()
     for lo in range(0, rows, step):
@@ -209,8 +211,8 @@ def decode_signs(
     return out
 
 
-def _rows_per_block(cols: int) -> int:
+def _rows_per_block(cols: int, device: torch.device) -> int:
     """Rows per block of :func:`encode_rows` and :func:`decode_signs`: about
-    :data:`~thinwire.compress.bits.CHUNK` values, a multiple of 8 rows so that every block
-    starts at a whole byte of signs."""
-    return max(1, CHUNK // max(cols, 1) // 8) * 8
+    :func:`~thinwire.compress.bits.chunk_for` values, a multiple of 8 rows so that every
+    block starts at a whole byte of signs."""
+    return max(1, chunk_for(device) // max(cols, 1) // 8) * 8

@@ -32,7 +32,8 @@ and scaler::
 A row of small gradients no longer rounds to zero against a large row's scaler, for 4
 more bytes per row in round 1 (2.06 bits per value at 512 values a row).
 
-The codes are made a cache-sized chunk at a time (:func:`ternary_codes`), and
+The codes are made a chunk at a time (:func:`ternary_codes`; cache-sized on the CPU, the
+whole tensor on a GPU), and
 every payload is decoded straight into the mean through a table of the values of each pair
 of code bytes (:func:`~thinwire.compress.bits.decode`); ``mean`` and ``local`` are written
 into buffers kept from the tensor's last exchange, so no full-size tensor is allocated.
@@ -57,7 +58,14 @@ from thinwire.compress.base import (
     check_floating,
     scaled_rows,
 )
-from thinwire.compress.bits import CHUNK, OutputBuffers, chunks, decode, pack, packed_size
+from thinwire.compress.bits import (
+    OutputBuffers,
+    chunk_for,
+    chunks,
+    decode,
+    pack,
+    packed_size,
+)
 from thinwire.compress.registry import register_compressor
 from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed, l2_norm
 
@@ -177,11 +185,12 @@ def ternary_codes(
     packed = torch.empty(packed_size(numel, 2), dtype=torch.uint8, device=flat.device)
     scale = 2.0**16 / s if 0 < s < math.inf else 0.0  # s = 0: every c is 0
     boost = 2.0**64 if scale > 2.0**100 else 1.0  # keeps the fp32 scale finite for tiny s
-    size = min(numel, CHUNK)
+    chunk = chunk_for(flat.device)
+    size = min(numel, chunk)
     clipped, rounded = (torch.empty(size, device=flat.device) for _ in range(2))
     words = torch.empty(-(-size // 4), dtype=torch.int64, device=flat.device)
     codes = torch.empty(size, dtype=torch.uint8, device=flat.device)
-    for part in chunks(numel):
+    for part in chunks(numel, chunk):
         count = part.stop - part.start
         if bound is not None and flat.dtype == torch.float32:
             c = torch.clamp(flat[part], -bound, bound, out=clipped[:count])
@@ -207,7 +216,7 @@ def row_bounds_and_peaks(matrix: Tensor, clip_sigma: float | None) -> tuple[Tens
     rows, cols = matrix.shape
     peaks = torch.empty(rows, dtype=torch.float32, device=matrix.device)
     bounds = None if clip_sigma is None else torch.empty_like(peaks)
-    step = _rows_per_block(cols)
+    step = _rows_per_block(cols, matrix.device)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         block = matrix[lo:hi]
@@ -230,7 +239,7 @@ def ternary_codes_rows(
     rows, cols = matrix.shape
     packed = torch.empty(packed_size(rows * cols, 2), dtype=torch.uint8, device=matrix.device)
     divisors = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)  # s_j = 0: c[j] is 0
-    step = _rows_per_block(cols)
+    step = _rows_per_block(cols, matrix.device)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
         count = (hi - lo) * cols
@@ -247,6 +256,7 @@ def ternary_codes_rows(
     return packed
 
 
-def _rows_per_block(cols: int) -> int:
-    """Rows per block: about :data:`~thinwire.compress.bits.CHUNK` values, a multiple of 4."""
-    return max(4, CHUNK // max(cols, 1) // 4 * 4)
+def _rows_per_block(cols: int, device: torch.device) -> int:
+    """Rows per block: about :func:`~thinwire.compress.bits.chunk_for` values, a multiple
+    of 4."""
+    return max(4, chunk_for(device) // max(cols, 1) // 4 * 4)
