@@ -593,7 +593,8 @@ def _train_in(rank: int, world: int, dtype: str) -> list[bool]:
     for step in range(2):
         x, y = _batch(ps.worker_index, step)
         ps.zero_grad()
-        nn.functional.mse_loss(model(x.to(model[0].weight.dtype)), y.to(x.dtype)).backward()
+        own = model[0].weight.dtype  # inputs and targets both in the worker's dtype
+        nn.functional.mse_loss(model(x.to(own)), y.to(own)).backward()
         ps.step()
     held = [p.detach().clone() for p in ps.server.params] if ps.server is not None else []
     ps.close()
