@@ -23,6 +23,8 @@ Two parts, written to ``DIR/gpu_check.json``:
    ``qsgd``) draw their random numbers on the GPU there, so they differ from the start.
    ``optimizer:powersgd`` and ``dga:powersgd`` run the two front ends without DDP
    (``DistributedOptimizer``; ``DelayedAveraging`` with delay 1, flushed at the end).
+   ``nan:NAME`` rows: a NaN in one gradient on the first step must fail the step with
+   thinwire's ``NonFiniteGradientError``, not train on garbage.
 2. **Compute.** The same model's training step alone (forward, backward, SGD step; no
    DDP) at batch 32 and 80, fp32 and bf16 autocast, as the median of timed steps; and the
    time a dense ring all-reduce of its gradient takes over 4 workers on a 1 Gbit/s link,
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import socket
@@ -76,6 +79,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "optimizer:powersgd": {"rank": 2},  # thinwire.DistributedOptimizer
     "dga:powersgd": {"rank": 2},  # thinwire.DelayedAveraging, delay 1 (flushed at the end)
 }
+#: compressors whose refusal of a NaN gradient is checked (the hook, first step)
+NAN_CHECKED = ("none", "powersgd", "dgc", "onebit")
 LAYOUTS = [
     ("nccl", 1, "cuda", ("float32", "bfloat16")),
     ("gloo", 2, "cuda", ("float32", "bfloat16")),
@@ -149,6 +154,24 @@ def train_once(
     }
 
 
+def nan_is_refused(method: str, device: torch.device) -> dict[str, Any]:
+    """One DDP step whose gradients hold a NaN: whether the hook refuses it by name."""
+    torch.manual_seed(0)
+    model = ResNet18(width=WIDTH).to(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    thinwire.register(ddp, method, **METHODS[method])
+    images = torch.randn(BATCH, 1, 28, 28, device=device)
+    labels = torch.randint(0, 10, (BATCH,), device=device)
+    loss = F.cross_entropy(ddp(images), labels) * torch.tensor(math.nan, device=device)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        refused = "NonFiniteGradientError" in str(error)
+        return {"ok": refused, "error": str(error)[:300]}
+    return {"ok": False, "error": "the NaN step was not refused"}
+
+
 def layout_worker(
     rank: int,
     world: int,
@@ -196,6 +219,14 @@ def layout_worker(
             except Exception as error:  # the report says what failed and goes on
                 record.update(ok=False, error=f"{type(error).__name__}: {error}"[:600])
                 record["traceback"] = traceback.format_exc()[-1500:]
+            records.append(record)
+    if device.type == "cuda":
+        for method in NAN_CHECKED:
+            record = {"method": f"nan:{method}", "dtype": "float32"}
+            try:
+                record.update(nan_is_refused(method, device))
+            except Exception as error:  # the report says what failed and goes on
+                record.update(ok=False, error=f"{type(error).__name__}: {error}"[:600])
             records.append(record)
     if rank == 0:
         Path(out).write_text(json.dumps(records))
@@ -293,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/gpu"))
     parser.add_argument("--limit-s", type=float, default=240, help="per layout")
+    parser.add_argument(
+        "--layouts",
+        default="all",
+        help="comma-separated subset of: " + ", ".join(f"{b}x{w}-{d}" for b, w, d, _ in LAYOUTS),
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this check needs a CUDA device; torch.cuda.is_available() is False here")
@@ -307,14 +343,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     console.print(environment)
 
+    known = {f"{b}x{w}-{d}" for b, w, d, _ in LAYOUTS}
+    chosen = known if args.layouts == "all" else set(args.layouts.split(","))
+    if chosen - known:
+        parser.error(f"unknown layouts {sorted(chosen - known)}; choose from {sorted(known)}")
     layouts: dict[str, dict[str, Any]] = {}
     for backend, world, device_kind, dtypes in LAYOUTS:
+        if f"{backend}x{world}-{device_kind}" not in chosen:
+            continue
         name = f"{backend} x{world} {device_kind}"
         started = time.perf_counter()
         layouts[name] = run_layout(backend, world, device_kind, dtypes, args.limit_s)
         layouts[name]["wall_s"] = time.perf_counter() - started
         console.print(f"{name}: {layouts[name]['wall_s']:.0f} s, error: {layouts[name]['error']}")
-    first_diff, cpu_diff = compare_with_cpu(layouts, 1), compare_with_cpu(layouts, -1)
+    compared = {"gloo x2 cpu", "gloo x2 cuda"} <= set(layouts)
+    first_diff = compare_with_cpu(layouts, 1) if compared else {}
+    cpu_diff = compare_with_cpu(layouts, -1) if compared else {}
 
     table = Table(title="DDP + thinwire hook, ResNet-18 width 32, batch 32, one H100")
     for column in ("layout", "method", "dtype", "ok", "loss first -> last", "step ms", "note"):

@@ -8,6 +8,7 @@ runs the real thing on a GPU; these tests pin the two decisions it relies on.
 from __future__ import annotations
 
 import datetime
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.collectives import _group_timeout, control_device
+from thinwire.compress.base import FiniteChecks
 
 
 @pytest.mark.parametrize(
@@ -52,3 +54,19 @@ def test_the_timeout_of_an_nccl_only_group_is_read_from_its_cuda_backend() -> No
 
 def test_a_group_without_any_readable_timeout_gives_none() -> None:
     assert _group_timeout(SimpleNamespace()) is None  # type: ignore[arg-type]
+
+
+def test_finite_checks_name_the_tensors_with_nan_or_inf_in_order() -> None:
+    checks = FiniteChecks()
+    tensors = [
+        torch.ones(3),
+        torch.tensor([1.0, math.nan]),
+        torch.empty(0),
+        torch.tensor([3.0e38, 3.0e38]),  # finite, though its fp32 sum overflows
+        torch.arange(4),  # integers: nothing to check
+        torch.tensor([-math.inf], dtype=torch.bfloat16),
+    ]
+    for i, tensor in enumerate(tensors):
+        checks.add(i, tensor)
+    tensors[0].fill_(math.nan)  # written after its check: the check saw it finite
+    assert checks.failed() == [1, 5]

@@ -35,9 +35,9 @@ from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
     Compressor,
     Exchanged,
+    FiniteChecks,
     Memory,
     Slot,
-    all_finite,
     check_floating,
 )
 from thinwire.compress.none import NoCompression
@@ -245,6 +245,7 @@ class GradientExchange:
     def _start(self, items: Sequence[GradientItem], token: Any = None) -> _Batch:
         """Compensate every gradient and start its protocol, up to its first request."""
         batch = _Batch(items, [], [], token)
+        checks = FiniteChecks()  # of the gradient, or what the memory added to it
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
             slot = Slot(item.key, self.step, self.world_size, self.rank)
@@ -252,13 +253,14 @@ class GradientExchange:
             compressed = item.grad.numel() > 0 and self.compressor.compresses(item.grad)
             chosen = self.compressor if compressed else self.dense
             corrected = self.memory.compensate(item.grad, slot, item.param)
-            if not all_finite(corrected):  # the gradient, or what the memory added to it
-                batch.not_finite.append(item.key)
-                self.memory.forget(slot.key)  # or the NaN would stay in it for good
+            checks.add(len(batch.runs), corrected)
             run = _Run(slot, compressed, corrected, chosen.exchange(corrected, slot))
             run.advance(None)
             batch.runs.append(run)
             self._current.dense_bytes += item.grad.numel() * 4
+        for i in checks.failed():  # before any round: a non-finite one poisons the first
+            batch.not_finite.append(items[i].key)
+            self.memory.forget(batch.runs[i].slot.key)  # or the NaN would stay in it for good
         return batch
 
     def _round(self, batches: Sequence[_Batch], fresh: _Batch | None) -> float:

@@ -314,6 +314,35 @@ def all_finite(tensor: Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
+class FiniteChecks:
+    """Which of several tensors hold a NaN or infinite entry, each checked when it is
+    :meth:`add`-ed (so nothing that writes it later can hide the entry) and waited for
+    together: on the CPU at once (:func:`all_finite`), on a GPU as a device flag read in
+    one wait per device at :meth:`failed` (each ``bool()`` of a device value waits for
+    every kernel queued before it, which would stall the exchange once per tensor)."""
+
+    def __init__(self) -> None:
+        self._failed: list[int] = []
+        self._queued: dict[torch.device, list[tuple[int, Tensor]]] = {}
+
+    def add(self, index: int, tensor: Tensor) -> None:
+        """Check ``tensor`` (known as ``index``) as it is now."""
+        if tensor.device.type == "cpu":
+            if not all_finite(tensor):
+                self._failed.append(index)
+        elif tensor.is_floating_point() and tensor.numel() > 0:
+            flag = torch.isfinite(tensor).all()
+            self._queued.setdefault(tensor.device, []).append((index, flag))
+
+    def failed(self) -> list[int]:
+        """The indices of the tensors that were not finite, in increasing order."""
+        failed = list(self._failed)
+        for pairs in self._queued.values():
+            finite = torch.stack([flag for _, flag in pairs]).tolist()
+            failed += [i for (i, _), ok in zip(pairs, finite, strict=True) if not ok]
+        return sorted(failed)
+
+
 def num_selected(numel: int, density: float) -> int:
     """How many of ``numel`` entries a sparsifier keeps at ``density`` (at least one)."""
     return max(1, min(numel, round(numel * density)))

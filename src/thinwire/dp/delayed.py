@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from thinwire.comm.collectives import Communicator, sibling_group, value_ranges
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, _digest, gradient_of
 from thinwire.comm.optimizer import DistributedOptimizer
-from thinwire.compress.base import Compressor, Memory, all_finite, is_integer
+from thinwire.compress.base import Compressor, FiniteChecks, Memory, is_integer
 from thinwire.compress.feedback import NoMemory
 from thinwire.dp.replay import (
     ConsensusReplay,
@@ -307,7 +307,11 @@ class DelayedAveraging:
         applied here, and the exchange already started fails on every rank when its
         correction is due."""
         grads = [(name, p.grad) for bucket in self.buckets for name, p in bucket]
-        bad = [name for name, g in grads if g is not None and not all_finite(g)]
+        grads = [(name, g) for name, g in grads if g is not None]
+        checks = FiniteChecks()
+        for i, (_, grad) in enumerate(grads):
+            checks.add(i, grad)
+        bad = [grads[i][0] for i in checks.failed()]
         if not bad:
             return
         raise NonFiniteGradientError(
