@@ -93,6 +93,22 @@ def test_bucket_specs_are_parsed_and_refused_with_what_to_give() -> None:
         ddp_bucket_options("taper", _model())
 
 
+def test_a_taper_can_be_chosen_in_the_spec() -> None:
+    model = _model()
+    sizes = [p.numel() * p.element_size() for p in reversed(list(model.parameters()))]
+    assert parse_bucket_spec("Tapered:0.001:2") == "tapered:0.001:2"
+    chosen = tapered_buckets(model, tail_mb=0.001, factor=2.0)
+    assert chosen != tapered_buckets(model)  # the model is large enough to tell them apart
+    assert ddp_bucket_options("tapered:0.001:2", model) == {"bucket_cap_mb_list": chosen}
+    assert bucket_limits_mb("tapered:0.001:2", sizes) == pytest.approx(chosen)
+    assert bucket_limits_mb("tapered", sizes) == pytest.approx(tapered_buckets(model))
+    for text in ["tapered:0.1", "tapered:0:2", "tapered:0.1:1", "tapered:a:b", "tapered:1:2:3"]:
+        with pytest.raises(ValueError, match=r"a taper is 'tapered' or 'tapered:TAIL:FACTOR'"):
+            parse_bucket_spec(text)
+    with pytest.raises(ValueError, match=r"e\.g\. 'tapered:0\.2:2'"):
+        ddp_bucket_options("tapered:0.1:0.5", model)
+
+
 def test_tapered_buckets_on_a_torch_without_bucket_lists_say_what_to_do(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -171,8 +187,9 @@ def test_bench_and_plan_take_tapered_and_refuse_other_words(
 
     for command in ("bench", "plan"):
         for text, message in [
-            ("taper", "--bucket-cap-mb must be a size in MB or 'tapered', got 'taper'"),
+            ("taper", "must be a size in MB, 'tapered' or 'tapered:TAIL:FACTOR', got 'taper'"),
             ("0", "--bucket-cap-mb must be a size in MB > 0 or 'tapered'"),
+            ("tapered:0.05", "a taper is 'tapered' or 'tapered:TAIL:FACTOR'"),
         ]:
             with pytest.raises(SystemExit) as exited:
                 main([command, "--task", "digits", "--workers", "2", "--bucket-cap-mb", text])
@@ -180,6 +197,8 @@ def test_bench_and_plan_take_tapered_and_refuse_other_words(
             assert message in capsys.readouterr().err
     request = parse_request("digits", 2, "10mbit", "1ms", bucket_cap_mb=TAPERED)
     assert request.bucket_cap_mb == TAPERED
+    chosen = parse_request("digits", 2, "10mbit", "1ms", bucket_cap_mb="tapered:0.2:2")
+    assert chosen.bucket_cap_mb == "tapered:0.2:2"
     config = BenchConfig(task="digits", methods=parse_methods("dense"), bucket_cap_mb=TAPERED)
     assert config.bucket_cap_mb == TAPERED
     with pytest.raises(ValueError, match="bucket_cap_mb must be a size in MB > 0 or 'tapered'"):

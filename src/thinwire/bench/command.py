@@ -89,8 +89,9 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> None:
         type=_bucket_spec,
         default=None,
         help="DDP bucket size in MB, or 'tapered': large buckets first, small ones at the "
-        "end of the backward pass (thinwire.tapered_buckets; default: DDP's own, 1 MB then "
-        "25 MB)",
+        "end of the backward pass (thinwire.tapered_buckets; 'tapered:TAIL:FACTOR' sets the "
+        "last bucket's least MB and the growth per bucket, default 0.05 and 4; default: "
+        "DDP's own, 1 MB then 25 MB)",
     )
     parser.add_argument(
         "--no-broadcast-buffers",

@@ -158,7 +158,8 @@ def wrap(
     """``model`` made data parallel by ``method``.
 
     ``bucket_cap_mb``: DDP's bucket size (``None``: DDP's default, a 1 MB first bucket
-    and 25 MB after it; ``"tapered"``: :func:`thinwire.tapered_buckets`; a size is also
+    and 25 MB after it; ``"tapered"`` or ``"tapered:TAIL:FACTOR"``:
+    :func:`thinwire.tapered_buckets`; a size is also
     the bucket size of ``dga``, which otherwise takes 25 MB). ``fuse_rounds``: the option of
     that name of the DDP hook (:func:`thinwire.register`) and of ``dga``.
     ``broadcast_buffers``: DDP's option (rank 0's buffers, e.g. batch-norm statistics,

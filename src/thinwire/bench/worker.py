@@ -51,7 +51,7 @@ class BenchJob:
     interface: str = "lo"
     progress: str | None = None
     evaluate: bool = True
-    bucket_cap_mb: BucketSpec = None  #: a size in MB, "tapered", None: DDP's
+    bucket_cap_mb: BucketSpec = None  #: a size in MB, "tapered[:TAIL:FACTOR]", None: DDP's
     fuse_rounds: bool = True
     lr_schedule: str = "constant"
     stages: tuple[Stage, ...] | None = None  #: if set, compute sleeps (bench.sleeping)

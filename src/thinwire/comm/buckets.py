@@ -34,6 +34,9 @@ from thinwire.compress.base import is_real
 MB = 2**20
 #: the bucket layout that :func:`tapered_buckets` plans, as ``bucket_cap_mb`` takes it
 TAPERED = "tapered"
+#: the taper's defaults: the last bucket's least size (MB), and how much larger each
+#: bucket before it may be
+TAPER_TAIL_MB, TAPER_FACTOR = 0.05, 4.0
 #: DDP's default limits: a 1 MB first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``),
 #: then 25 MB
 DDP_DEFAULT_LIMITS_MB = (1.0, 25.0)
@@ -58,7 +61,11 @@ def assign_buckets(sizes: Sequence[int], limits: Sequence[int]) -> list[list[int
 
 
 def tapered_limits(
-    sizes: Sequence[int], *, cap_mb: float = 25.0, tail_mb: float = 0.05, factor: float = 4.0
+    sizes: Sequence[int],
+    *,
+    cap_mb: float = 25.0,
+    tail_mb: float = TAPER_TAIL_MB,
+    factor: float = TAPER_FACTOR,
 ) -> list[int]:
     """Per-bucket limits in bytes, in ready order, for parameters of ``sizes`` bytes (in
     ready order): buckets planned from the last one, of at least ``tail_mb``,
@@ -99,8 +106,8 @@ def tapered_buckets(
     model: nn.Module | Iterable[tuple[str, nn.Parameter]],
     *,
     cap_mb: float = 25.0,
-    tail_mb: float = 0.05,
-    factor: float = 4.0,
+    tail_mb: float = TAPER_TAIL_MB,
+    factor: float = TAPER_FACTOR,
 ) -> list[float]:
     """Bucket limits for ``DistributedDataParallel(model, bucket_cap_mb_list=...)`` that
     end the backward pass with small buckets (see the module docstring)::
@@ -120,27 +127,53 @@ def tapered_buckets(
     ]
 
 
+def taper_of(spec: Any, flag: str = "bucket_cap_mb") -> tuple[float, float] | None:
+    """``(tail_mb, factor)`` of a tapered layout: ``"tapered"`` (the defaults of
+    :func:`tapered_buckets`) or ``"tapered:TAIL:FACTOR"`` (e.g. ``"tapered:0.2:2"``);
+    ``None`` for any other spec. A malformed taper is refused, saying what to give."""
+    if not isinstance(spec, str) or spec.split(":")[0] != TAPERED:
+        return None
+    fields = spec.split(":")[1:]
+    if not fields:
+        return (TAPER_TAIL_MB, TAPER_FACTOR)
+    try:
+        tail_mb, factor = (float(field) for field in fields)
+        check_taper(25.0, tail_mb, factor)
+    except ValueError as error:
+        raise ValueError(
+            f"{flag} {spec!r}: a taper is {TAPERED!r} or '{TAPERED}:TAIL:FACTOR', the last "
+            f"bucket's least size in MB (0 < TAIL <= 25) and how much larger each bucket "
+            f"before it may be (FACTOR > 1), e.g. '{TAPERED}:0.2:2' ({error})"
+        ) from None
+    return (tail_mb, factor)
+
+
 def check_bucket_spec(spec: Any, flag: str = "bucket_cap_mb") -> None:
-    """Refuse a bucket layout other than ``None`` (DDP's own), a size in MB > 0 or
-    ``"tapered"``."""
-    if spec is None or spec == TAPERED:
+    """Refuse a bucket layout other than ``None`` (DDP's own), a size in MB > 0 or a
+    taper (:func:`taper_of`)."""
+    if spec is None or taper_of(spec, flag) is not None:
         return
     if not (is_real(spec) and spec > 0):
         raise ValueError(
             f"{flag} must be a size in MB > 0 or {TAPERED!r} (large buckets first, small "
-            f"ones at the end of the backward pass), got {spec!r}"
+            f"ones at the end of the backward pass; '{TAPERED}:TAIL:FACTOR' to choose the "
+            f"taper), got {spec!r}"
         )
 
 
 def parse_bucket_spec(text: str) -> float | str:
-    """A command line's ``--bucket-cap-mb``: a number, or ``tapered``."""
-    if text.strip().lower() == TAPERED:
-        return TAPERED
+    """A command line's ``--bucket-cap-mb``: a number, ``tapered`` or
+    ``tapered:TAIL:FACTOR``."""
+    spec = text.strip().lower()
+    if spec.split(":")[0] == TAPERED:
+        taper_of(spec, "--bucket-cap-mb")
+        return spec
     try:
         value = float(text)
     except ValueError:
         raise ValueError(
-            f"--bucket-cap-mb must be a size in MB or {TAPERED!r}, got {text!r}"
+            f"--bucket-cap-mb must be a size in MB, {TAPERED!r} or '{TAPERED}:TAIL:FACTOR', "
+            f"got {text!r}"
         ) from None
     check_bucket_spec(value, "--bucket-cap-mb")
     return value
@@ -153,8 +186,10 @@ def bucket_limits_mb(spec: BucketSpec, sizes: Sequence[int]) -> list[float]:
     check_bucket_spec(spec)
     if spec is None:
         return list(DDP_DEFAULT_LIMITS_MB)
-    if spec == TAPERED:
-        return [limit / MB for limit in tapered_limits(sizes)]
+    taper = taper_of(spec)
+    if taper is not None:
+        tail_mb, factor = taper
+        return [limit / MB for limit in tapered_limits(sizes, tail_mb=tail_mb, factor=factor)]
     return [float(spec)]
 
 
@@ -168,11 +203,13 @@ def ddp_bucket_options(spec: BucketSpec, model: nn.Module) -> dict[str, Any]:
     check_bucket_spec(spec)
     if spec is None:
         return {}
-    if spec != TAPERED:
+    taper = taper_of(spec)
+    if taper is None:
         return {"bucket_cap_mb": spec}
     if not takes_bucket_lists():
         raise ValueError(
             f"tapered buckets need DistributedDataParallel(bucket_cap_mb_list=...), which "
             f"torch {torch.__version__} lacks: upgrade torch, or give a size in MB instead"
         )
-    return {"bucket_cap_mb_list": tapered_buckets(model)}
+    tail_mb, factor = taper
+    return {"bucket_cap_mb_list": tapered_buckets(model, tail_mb=tail_mb, factor=factor)}

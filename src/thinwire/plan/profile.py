@@ -201,8 +201,8 @@ def bucket_groups(
 ) -> list[list[str]]:
     """DDP's buckets (names, reduction order) under ``bucket_cap_mb`` = ``spec``: DDP's
     default (``None`` or :data:`BUCKET_CAP_MB`: a 1 MB first bucket, then 25 MB), one
-    size given explicitly (the first bucket's too, as DDP does), or ``"tapered"``
-    (:func:`thinwire.tapered_buckets`)."""
+    size given explicitly (the first bucket's too, as DDP does), or a taper
+    (``"tapered"``, ``"tapered:TAIL:FACTOR"``: :func:`thinwire.tapered_buckets`)."""
     if spec == BUCKET_CAP_MB:
         spec = None
     sizes = {name: t.numel() * t.element_size() for name, t in params}

@@ -41,7 +41,7 @@ class PlanRequest:
     latency_s: float
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_options: dict[str, Any] = field(default_factory=dict)
-    #: None: DDP's default (1 MB, then 25 MB); a size in MB; "tapered"
+    #: None: DDP's default (1 MB, then 25 MB); a size in MB; "tapered[:TAIL:FACTOR]"
     bucket_cap_mb: BucketSpec = None
     broadcast_buffers: bool = True  #: DDP's option: buffers sent before each forward
 
