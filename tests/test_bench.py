@@ -416,8 +416,11 @@ def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
     assert ring <= records["dense"]["bytes_sent_per_step"] < 1.25 * ring
     assert records["local"]["bytes_sent_per_step"] < 0.01 * ring
     assert records["dense"]["allreduce_bandwidth_bps"] > 0  # the link was probed
-    # with the ring's fixed cost taken out, the probes see the configured 50 Mbit/s
-    assert records["dense"]["allreduce_link_bps"] == pytest.approx(50e6, rel=0.15)
+    # with the ring's fixed cost taken out, the probes see about the configured 50 Mbit/s:
+    # a limiter off by a unit (bits for bytes, a factor of 10) fails this. The figure
+    # itself is a benchmark's (docs/measurements.md); on a loaded 2-core machine the probes
+    # have seen 34 Mbit/s, so the bounds here only catch a limiter that is wrong.
+    assert 0.6 * 50e6 <= records["dense"]["allreduce_link_bps"] <= 1.25 * 50e6
     # a few ms of latency per all-reduce, give or take the fit's noise; not seconds
     assert abs(records["dense"]["allreduce_fixed_s"]) < 0.1
     assert set(list_namespaces()) <= before  # the run's cluster went away
