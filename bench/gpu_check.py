@@ -41,7 +41,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -58,6 +57,7 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
+from thinwire.launch import free_port
 from thinwire.tasks.resnet import ResNet18
 
 #: compressors and the options they run with here (a small model: DGC keeps 1%)
@@ -88,13 +88,6 @@ LAYOUTS = [
 ]
 BATCH, WIDTH, STEPS, TIMED = 32, 32, 10, 6
 LINK_BITS_PER_S, WORKERS = 1e9, 4
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for the rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def sync(device: torch.device) -> None:
