@@ -34,9 +34,9 @@ from thinwire.compress.base import is_real
 MB = 2**20
 #: the bucket layout that :func:`tapered_buckets` plans, as ``bucket_cap_mb`` takes it
 TAPERED = "tapered"
-#: the taper's defaults: the last bucket's least size (MB), and how much larger each
-#: bucket before it may be
-TAPER_TAIL_MB, TAPER_FACTOR = 0.05, 4.0
+#: the taper's defaults: the largest bucket (MB), the last bucket's least size (MB), and
+#: how much larger each bucket before it may be
+TAPER_CAP_MB, TAPER_TAIL_MB, TAPER_FACTOR = 25.0, 0.05, 4.0
 #: DDP's default limits: a 1 MB first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``),
 #: then 25 MB
 DDP_DEFAULT_LIMITS_MB = (1.0, 25.0)
@@ -63,7 +63,7 @@ def assign_buckets(sizes: Sequence[int], limits: Sequence[int]) -> list[list[int
 def tapered_limits(
     sizes: Sequence[int],
     *,
-    cap_mb: float = 25.0,
+    cap_mb: float = TAPER_CAP_MB,
     tail_mb: float = TAPER_TAIL_MB,
     factor: float = TAPER_FACTOR,
 ) -> list[int]:
@@ -105,7 +105,7 @@ def check_taper(cap_mb: Any, tail_mb: Any, factor: Any) -> None:
 def tapered_buckets(
     model: nn.Module | Iterable[tuple[str, nn.Parameter]],
     *,
-    cap_mb: float = 25.0,
+    cap_mb: float = TAPER_CAP_MB,
     tail_mb: float = TAPER_TAIL_MB,
     factor: float = TAPER_FACTOR,
 ) -> list[float]:
@@ -138,12 +138,12 @@ def taper_of(spec: Any, flag: str = "bucket_cap_mb") -> tuple[float, float] | No
         return (TAPER_TAIL_MB, TAPER_FACTOR)
     try:
         tail_mb, factor = (float(field) for field in fields)
-        check_taper(25.0, tail_mb, factor)
+        check_taper(TAPER_CAP_MB, tail_mb, factor)
     except ValueError as error:
         raise ValueError(
             f"{flag} {spec!r}: a taper is {TAPERED!r} or '{TAPERED}:TAIL:FACTOR', the last "
-            f"bucket's least size in MB (0 < TAIL <= 25) and how much larger each bucket "
-            f"before it may be (FACTOR > 1), e.g. '{TAPERED}:0.2:2' ({error})"
+            f"bucket's least size in MB (0 < TAIL <= {TAPER_CAP_MB:g}) and how much larger "
+            f"each bucket before it may be (FACTOR > 1), e.g. '{TAPERED}:0.2:2' ({error})"
         ) from None
     return (tail_mb, factor)
 
