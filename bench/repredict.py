@@ -24,9 +24,10 @@ from thinwire.bench.runner import BenchConfig, _add_predictions, throughput_step
 def config_of(records: list[dict[str, Any]]) -> BenchConfig:
     """The configuration a results file's records were run with."""
     stored = records[0]["config"]
+    first = records[0].get("repeat", 1)
     return BenchConfig(
         task=stored["task"],
-        methods=[Method(r["method"], r["options"]) for r in records],
+        methods=[Method(r["method"], r["options"]) for r in records if r.get("repeat", 1) == first],
         workers=stored["workers"],
         bandwidth=stored["bandwidth"],
         latency=stored["latency"],
@@ -38,27 +39,33 @@ def config_of(records: list[dict[str, Any]]) -> BenchConfig:
         bucket_cap_mb=stored.get("bucket_cap_mb"),
         fuse_rounds=stored.get("fuse_rounds", True),
         broadcast_buffers=stored.get("broadcast_buffers", True),
+        repeats=max(r.get("repeat", 1) for r in records),
     )
 
 
 def repredict(path: Path, write: bool = False) -> list[tuple[str, float, float, float | None]]:
     """``(method, measured s, predicted s, error recorded before)`` for every predicted
-    method of the results file at ``path``; with ``write``, the file gets the new ones."""
+    record of the results file at ``path`` (a method of a repeated run once per repeat,
+    named ``method #repeat``); with ``write``, the file gets the new ones."""
     records = json.loads(path.read_text())
     if not records or "config" not in records[0]:
         raise ValueError(f"{path} is not a results file of thinwire bench")
     config = config_of(records)
     if config.network != "emulated":
         raise ValueError(f"{path}: a {config.network} run has no link to predict for")
-    before = {r["method"]: (r.get("predicted") or {}).get("error") for r in records}
+    before = [(r.get("predicted") or {}).get("error") for r in records]
     _add_predictions(config, records)
     if write:
         path.write_text(json.dumps(records, indent=2))
     return [
-        (r["method"], throughput_step_s(r), r["predicted"]["step_s"], before[r["method"]])
-        for r in records
+        (_name(r, config.repeats), throughput_step_s(r), r["predicted"]["step_s"], old)
+        for r, old in zip(records, before, strict=True)
         if r.get("predicted")
     ]
+
+
+def _name(record: dict[str, Any], repeats: int) -> str:
+    return record["method"] if repeats == 1 else f"{record['method']} #{record['repeat']}"
 
 
 def main(argv: list[str] | None = None) -> int:

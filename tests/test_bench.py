@@ -72,6 +72,7 @@ def test_methods_are_validated_before_anything_starts() -> None:
         (["--measure-from", "-1"], "measure-from must be a step in 0 .. 1 (steps - 1), got -1"),
         (["--measure-from", "5"], "measure-from must be a step in 0 .. 1 (steps - 1), got 5"),
         (["--options", "{bad"], "--options is not valid JSON"),
+        (["--repeats", "0"], "repeats must be an integer >= 1 (how many times the method list"),
         (["--task-options", "{bad"], "--task-options is not valid JSON"),
         (
             ["--task-options", '{"batch_size": "64"}'],
@@ -458,6 +459,8 @@ def test_command_line_rejects_bad_input_and_writes_the_plot(tmp_path: Path) -> N
             "2",
             "--methods",
             "local,dense",
+            "--repeats",
+            "2",
             "--out",
             str(tmp_path),
         ],
@@ -467,7 +470,83 @@ def test_command_line_rejects_bad_input_and_writes_the_plot(tmp_path: Path) -> N
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert (tmp_path / "bench.png").stat().st_size > 10_000
-    assert "dense" in ok.stdout and "results" in ok.stdout
+    assert "dense #2" in ok.stdout and "over 2 repeats" in ok.stdout
+    written = json.loads((tmp_path / "results.json").read_text())
+    # the second repeat runs the list backwards, so drift weighs on both methods alike
+    assert [(r["method"], r["repeat"]) for r in written] == [
+        ("local", 1),
+        ("dense", 1),
+        ("dense", 2),
+        ("local", 2),
+    ]
+    summary = {e["method"]: e for e in json.loads((tmp_path / "repeats.json").read_text())}
+    dense = [r for r in written if r["method"] == "dense"]
+    assert summary["dense"]["repeats"] == 2
+    assert summary["dense"]["step_s_median"]["values"] == [r["step_s_median"] for r in dense]
+    assert summary["dense"]["scaling_efficiency"]["median"] == pytest.approx(
+        sum(r["scaling_efficiency"] for r in dense) / 2
+    )
+
+
+def _timed(method: str, repeat: int, step_s: float) -> dict[str, Any]:
+    """A record with just what the ratios need."""
+    return {
+        "method": method,
+        "repeat": repeat,
+        "options": {},
+        "step_s_median": step_s,
+        "wall_step_s": step_s,
+        "bytes_sent_per_step": 0.0 if method == "local" else 1e6,
+        "thinwire": None,
+    }
+
+
+def test_each_repeat_is_measured_against_its_own_local_and_dense() -> None:
+    from thinwire.bench.repeats import repeat_order, summarise_repeats
+    from thinwire.bench.runner import _add_ratios
+
+    assert repeat_order("abc", 1) == ["a", "b", "c"] == repeat_order("abc", 3)
+    assert repeat_order("abc", 2) == ["c", "b", "a"]
+    # the machine ran twice as slow in the second repeat: every ratio stays the same
+    records = [
+        _timed("local", 1, 1.0),
+        _timed("dense", 1, 4.0),
+        _timed("dgc", 1, 1.25),
+        _timed("dgc", 2, 2.5),
+        _timed("dense", 2, 8.0),
+        _timed("local", 2, 2.0),
+        _timed("local", 3, 1.0),
+        _timed("dense", 3, 4.0),
+        _timed("dgc", 3, 1.0),
+    ]
+    _add_ratios(records)
+    dgc = [r for r in records if r["method"] == "dgc"]
+    assert [r["scaling_efficiency"] for r in dgc] == [0.8, 0.8, 1.0]
+    assert [r["throughput_vs_dense"] for r in dgc] == [3.2, 3.2, 4.0]
+    assert [r["compute_s_median"] for r in dgc] == [1.0, 2.0, 1.0]
+    summary = {e["method"]: e for e in summarise_repeats(records)}
+    assert list(summary) == ["local", "dense", "dgc"]
+    assert summary["dgc"]["scaling_efficiency"] == {
+        "median": 0.8,
+        "min": 0.8,
+        "max": 1.0,
+        "values": [0.8, 0.8, 1.0],
+    }
+    assert summary["dgc"]["step_s_median"]["values"] == [1.25, 2.5, 1.0]
+    assert summary["local"]["repeats"] == 3
+
+
+def test_the_plot_of_a_repeated_run_shows_the_spread(tmp_path: Path) -> None:
+    from thinwire.bench.repeats import summarise_repeats
+    from thinwire.bench.report import plot, repeats_table
+
+    records = [_timed("local", 1, 1.0), _timed("dgc", 1, 1.25), _timed("dgc", 2, 2.5)]
+    for r in records:
+        r.update(loss_history=[2.0, 1.5], time_history_s=[1.0, 2.0], steps=2)
+        r.update(task="digits", workers=2, network="loopback", measured_from_step=1)
+    assert plot(records, tmp_path / "plot.png").stat().st_size > 10_000
+    table = repeats_table(summarise_repeats(records), 2)
+    assert table.row_count == 2 and "over 2 repeats" in str(table.title)
 
 
 @pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")
@@ -542,6 +621,22 @@ def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
     assert dense["error"] == pytest.approx(dense["step_s"] / 0.2 - 1)
     # the digits MLP's 0.4 MB all-reduced over 10 Mbit/s links takes ~0.5 s
     assert 0.3 < dense["step_s"] < 1.0
+    # a repeated run: each repeat predicted with its own local step, named by its repeat
+    again = [{**r, "repeat": 1} for r in records] + [
+        {**records[1], "repeat": 2, "step_s_median": 0.3},
+        {**records[0], "repeat": 2, "step_s_median": 0.05},
+    ]
+    repeated = tmp_path / "repeated.json"
+    repeated.write_text(json.dumps(again))
+    run = subprocess.run(
+        [sys.executable, str(script), str(repeated), "--write"], text=True, capture_output=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert "dense #2" in run.stdout and "measured 0.300 s" in run.stdout
+    first, second = (
+        r["predicted"] for r in json.loads(repeated.read_text()) if r["method"] == "dense"
+    )
+    assert second["step_s"] > first["step_s"]  # 40 ms more compute in repeat 2
     loopback = tmp_path / "loopback.json"
     loopback.write_text(json.dumps([{**records[0], "config": {**config, "network": "loopback"}}]))
     bad = subprocess.run(

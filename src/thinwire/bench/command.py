@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
     parser.add_argument("--steps", type=int, default=20, help="training steps per method")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the method list this many times, reversing its order every other time, "
+        "and report each method's median and spread over the repeats (for machines whose "
+        "speed drifts between runs)",
+    )
+    parser.add_argument(
         "--measure-from",
         type=int,
         default=None,
@@ -122,7 +130,8 @@ def _json_option(flag: str, text: str | None) -> Any:
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; print the table, write JSON and plots."""
     from thinwire.bench.methods import parse_methods
-    from thinwire.bench.report import plot, results_table, timing_warnings
+    from thinwire.bench.repeats import summarise_repeats
+    from thinwire.bench.report import plot, repeats_table, results_table, timing_warnings
     from thinwire.bench.runner import BenchConfig, run_bench
     from thinwire.tasks import task_class
 
@@ -166,6 +175,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             lr_schedule=args.lr_schedule,
             compute=args.compute,
             broadcast_buffers=not args.no_broadcast_buffers,
+            repeats=args.repeats,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
         console.print(f"[red]error:[/] {escape(str(error))}")
@@ -183,8 +193,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
     console.print(results_table(records))
+    if config.repeats > 1:
+        summary = summarise_repeats(records)
+        (out / "repeats.json").write_text(json.dumps(summary, indent=2))
+        console.print(repeats_table(summary, config.repeats))
     for warning in timing_warnings(records):
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     picture = plot(records, out / "bench.png")
-    console.print(f"results: {out / 'results.json'}   plots: {picture}")
+    written = "results.json" + (" and repeats.json" if config.repeats > 1 else "")
+    console.print(f"results: {out}/{written}   plots: {picture}")
     return 0

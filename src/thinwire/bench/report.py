@@ -6,6 +6,7 @@ step (whether compression costs quality per step) and step throughput per method
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,9 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
     wall-clock time per step over the measured steps (until every rank finished). They
     agree for synchronous methods; for ``dga`` and ``ps-async``, whose ranks do not wait
     for each other every step, only ``wall s`` (and ``wall x``, dense's over it, and
-    ``wall scaling``, ``local``'s over it) is their throughput."""
+    ``wall scaling``, ``local``'s over it) is their throughput. A repeated run
+    (``--repeats``) has a row per method and repeat, named ``method #repeat``."""
+    repeated = len({r.get("repeat", 1) for r in records}) > 1
     table = Table(title=title or _title(records))
     metric = next((r["eval_metric"] for r in records if r.get("eval_metric")), "eval")
     for column in (
@@ -50,7 +53,7 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
         table.add_column(column, justify="left" if column == "method" else "right")
     for r in records:
         table.add_row(
-            method_label(r),
+            f"{method_label(r)} #{r['repeat']}" if repeated else method_label(r),
             f"{r['step_s_median']:.3f}",
             _fmt(r.get("throughput_vs_dense"), ".2f")
             + ("x" if r.get("throughput_vs_dense") else ""),
@@ -68,6 +71,32 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
     return table
 
 
+def repeats_table(summary: list[dict[str, Any]], repeats: int) -> Table:
+    """One row per method of a repeated run (:func:`thinwire.bench.repeats.summarise_repeats`):
+    the median over the repeats of its step time and ratios, with the smallest and largest
+    value of each ratio, so the spread between runs is read beside the figure."""
+    table = Table(title=f"over {repeats} repeats: median (smallest - largest)")
+    for column in ("method", "runs", "step s", "scaling", "wall scaling", "x dense"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for entry in summary:
+        table.add_row(
+            method_label(entry),
+            str(entry["repeats"]),
+            _spread(entry.get("step_s_median"), ".3f"),
+            _spread(entry.get("scaling_efficiency"), ".2f"),
+            _spread(entry.get("wall_scaling_efficiency"), ".2f"),
+            _spread(entry.get("throughput_vs_dense"), ".2f"),
+        )
+    return table
+
+
+def _spread(figure: dict[str, Any] | None, spec: str) -> str:
+    if not figure:
+        return "-"
+    median, low, high = (format(figure[k], spec) for k in ("median", "min", "max"))
+    return f"{median} ({low} - {high})"
+
+
 #: how much faster than ``local`` a method may measure before its timings are suspect
 FASTER_THAN_LOCAL = 1.10
 
@@ -82,7 +111,8 @@ def timing_warnings(records: list[dict[str, Any]]) -> list[str]:
             r.get("scaling_efficiency") or 0.0, r.get("wall_scaling_efficiency") or 0.0
         )
         if r["method"] != "local" and efficiency > FASTER_THAN_LOCAL:
-            faster.append(f"{method_label(r)} {efficiency:.2f}x")
+            repeat = f" (repeat {r['repeat']})" if r.get("repeat", 1) > 1 else ""
+            faster.append(f"{method_label(r)} {efficiency:.2f}x{repeat}")
     if not faster:
         return []
     return [
@@ -108,21 +138,32 @@ def _title(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> Path:
-    """Write loss-versus-time, loss-versus-step and throughput plots to ``path``."""
+    """Write loss-versus-time, loss-versus-step and throughput plots to ``path``. Of a
+    repeated run, the losses are the first repeat's (every repeat trains the same steps)
+    and each bar is the median throughput over the repeats, its whisker the range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from thinwire.bench.repeats import summarise_repeats
+
+    first = [r for r in records if r.get("repeat", 1) == 1]
     fig, (by_time, by_step, bars) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for r in records:
+    for r in first:
         label = method_label(r)
         by_time.plot(r["time_history_s"], r["loss_history"], label=label)
         by_step.plot(range(1, len(r["loss_history"]) + 1), r["loss_history"], label=label)
     by_time.set(xlabel="wall-clock time (s)", ylabel="training loss", title="loss vs time")
     by_step.set(xlabel="step", ylabel="training loss", title="loss vs step")
-    names = [method_label(r) for r in records]
-    bars.bar(names, [r["steps_per_s"] for r in records], color="tab:blue")
+    names = [method_label(r) for r in first]
+    rates = [[1.0 / s for s in e["step_s_median"]["values"]] for e in summarise_repeats(records)]
+    middle = [statistics.median(rate) for rate in rates]
+    whiskers = [
+        [m - min(rate) for m, rate in zip(middle, rates, strict=True)],
+        [max(rate) - m for m, rate in zip(middle, rates, strict=True)],
+    ]
+    bars.bar(names, middle, yerr=whiskers, capsize=4, color="tab:blue")
     bars.set(ylabel="steps per second", title="throughput")
     bars.tick_params(axis="x", rotation=45)
     for axis in (by_time, by_step):

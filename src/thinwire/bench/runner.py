@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
+from thinwire.bench.repeats import by_repeat, check_repeats, repeat_order
 from thinwire.bench.sleeping import Stage
 from thinwire.bench.worker import (
     BenchJob,
@@ -79,6 +80,7 @@ class BenchConfig:
     lr_schedule: str = "constant"
     compute: str = "real"
     broadcast_buffers: bool = True
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
@@ -110,6 +112,7 @@ class BenchConfig:
         for method in self.methods:
             check_servers(method.name, method.options, self.workers)
         check_bucket_spec(self.bucket_cap_mb)
+        check_repeats(self.repeats)
         check_lr_schedule(self.lr_schedule)
         if self.compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")
@@ -147,7 +150,9 @@ LINK_PROBE_MAX_NUMEL = 32 * 1024 * 1024
 
 
 def run_bench(config: BenchConfig, out: Path, console: Console | None = None) -> list[dict]:
-    """Run every method of ``config``, write ``out/results.json`` and return the records."""
+    """Run every method of ``config`` (the whole list ``config.repeats`` times, in
+    alternating order: :mod:`thinwire.bench.repeats`), write ``out/results.json`` and
+    return the records, each with its ``repeat`` (from 1)."""
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -171,8 +176,14 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                 TimeElapsedColumn(),
                 console=console,
             ) as bar:
-                for method in config.methods:
-                    shown = bar.add_task(f"{method.name:>13}", total=config.steps, loss="")
+                runs = [
+                    (number, method)
+                    for number in range(1, config.repeats + 1)
+                    for method in repeat_order(config.methods, number)
+                ]
+                for repeat, method in runs:
+                    label = method.name if config.repeats == 1 else f"{method.name} #{repeat}"
+                    shown = bar.add_task(f"{label:>13}", total=config.steps, loss="")
                     job = BenchJob(
                         task=config.task,
                         method=method,
@@ -208,7 +219,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                     bar.update(
                         shown, completed=config.steps, loss=f"loss {ranks[0]['losses'][-1]:.3f}"
                     )
-                    records.append(_record(config, method, ranks, wall, describe))
+                    records.append(_record(config, method, repeat, ranks, wall, describe))
                     _add_ratios(records)
                     _save(records, out)  # a later failure keeps what was measured
     _add_ratios(records)
@@ -379,7 +390,12 @@ def _check_switch(cluster: EmulatedCluster) -> None:
 
 
 def _record(
-    config: BenchConfig, method: Method, ranks: list[dict], wall: float, network: dict[str, Any]
+    config: BenchConfig,
+    method: Method,
+    repeat: int,
+    ranks: list[dict],
+    wall: float,
+    network: dict[str, Any],
 ) -> dict[str, Any]:
     first = config.first_measured_step()
     lead = ranks[0]
@@ -394,6 +410,7 @@ def _record(
         "task": config.task,
         "method": method.name,
         "options": method.options,
+        "repeat": repeat,
         "workers": config.workers,
         **network,
         "steps": config.steps,
@@ -446,11 +463,12 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
     if emulated.rate_bps is None:
         return  # unlimited links: nothing for an alpha-beta model to predict
     link = Link(emulated.rate_bps, emulated.latency_s, mtu=emulated.mtu)
-    local = next((r["step_s_median"] for r in records if r["method"] == "local"), None)
-    for record in (r for r in records if r["method"] in modelled):
-        predicted = profile.predict(record["method"], link, compute=local).as_dict()
-        predicted["error"] = predicted["step_s"] / throughput_step_s(record) - 1
-        record["predicted"] = predicted
+    for repeat in by_repeat(records).values():
+        local = next((r["step_s_median"] for r in repeat if r["method"] == "local"), None)
+        for record in (r for r in repeat if r["method"] in modelled):
+            predicted = profile.predict(record["method"], link, compute=local).as_dict()
+            predicted["error"] = predicted["step_s"] / throughput_step_s(record) - 1
+            record["predicted"] = predicted
 
 
 def throughput_step_s(record: dict[str, Any]) -> float:
@@ -465,7 +483,13 @@ def throughput_step_s(record: dict[str, Any]) -> float:
 
 def _add_ratios(records: list[dict[str, Any]]) -> None:
     """Fill in what needs several methods: compute-only time, communication not hidden,
-    scaling efficiency, compression ratio against dense and throughput against dense."""
+    scaling efficiency, compression ratio against dense and throughput against dense,
+    each against ``local`` and ``dense`` of the record's own repeat."""
+    for repeat in by_repeat(records).values():
+        _add_ratios_of_one_run(repeat)
+
+
+def _add_ratios_of_one_run(records: list[dict[str, Any]]) -> None:
     by_name = {r["method"]: r for r in records}
     local, dense = by_name.get("local"), by_name.get("dense")
     for record in records:
