@@ -94,6 +94,46 @@ def test_residual_memory_conserves_mass_with_topk() -> None:
     assert float(memory.residuals["w"].abs().sum()) > 0  # something really was held back
 
 
+def _memory_step(memory, compressor, grad: torch.Tensor, step: int, commit: bool) -> None:
+    slot = Slot("w", step, 1)
+    corrected = memory.compensate(grad, slot)
+    result = run_locally(compressor.exchange(corrected, slot))
+    memory.update(corrected, result, slot, compressed=True)
+    if commit:
+        memory.commit()
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_a_rolled_back_step_leaves_the_memory_as_it_was(name: str) -> None:
+    """The memory absorbed a refused step's gradient in place and kept it; now a step is
+    only kept once committed (or once the key is compensated again), and a rollback puts
+    back the state before it, bit for bit."""
+    options = {"density": 0.05} if name == "topk" else {"density": 0.05, "masking": True}
+    compressor = thinwire.compressor(name, **options)
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(30, 30, generator=gen) for _ in range(6)]
+    plain, undone, lazy = (compressor.make_memory() for _ in range(3))
+    for step, grad in enumerate(grads):
+        _memory_step(plain, compressor, grad, step, commit=True)
+        if step in (2, 4):  # refused attempts: another gradient, rolled back after its update
+            _memory_step(undone, compressor, grad * -7 + 1, step, commit=False)
+            undone.rollback()
+        _memory_step(undone, compressor, grad, step, commit=True)
+        _memory_step(lazy, compressor, grad, step, commit=False)  # never commits
+    for state in ("residuals",) if name == "topk" else ("velocities", "accumulators"):
+        expected = getattr(plain, state)["w"]
+        assert float(expected.abs().sum()) > 0
+        assert torch.equal(getattr(undone, state)["w"], expected)
+        assert torch.equal(getattr(lazy, state)["w"], expected)
+    # a checkpoint holds the newest state, and a rollback after loading keeps it
+    restored = compressor.make_memory()
+    restored.load_state_dict(lazy.state_dict())
+    restored.rollback()
+    for key, tensors in restored.state_dict().items():
+        for k, tensor in tensors.items():
+            assert torch.equal(tensor, plain.state_dict()[key][k])
+
+
 def test_cli_lists_compressors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compressors"]) == 0
     shown = capsys.readouterr().out

@@ -14,6 +14,12 @@ collectives as bucket i+1's first (:meth:`GradientExchange.exchange_fused`): abo
 collectives, each with its fixed cost of latency, at the price of bucket i finishing when
 bucket i+1 is ready, which DDP only needs by the end of the backward pass. One-round
 compressors are not affected.
+
+A bucket whose exchange fails (a non-finite gradient on some rank, a lost peer) fails the
+step on every rank: the engine puts its memory back as before the step, and the buckets
+DDP hands over after it, up to the last, fail with the same error without exchanging
+anything, so that nothing of the refused step is kept and every rank issues the same
+collectives.
 """
 
 import threading
@@ -40,6 +46,21 @@ class HookState:
     fuse_rounds: bool = True
     waiting: list[torch.futures.Future] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the error that failed a bucket of the step under way (used on the exchange thread)
+    failed: BaseException | None = None
+
+    def earlier_failure(self, is_last: bool) -> BaseException | None:
+        """The error that failed an earlier bucket of this step, if one did: this bucket
+        must then not be exchanged (the step is not taken). The last bucket ends the step."""
+        error = self.failed
+        if is_last:
+            self.failed = None
+        return error
+
+    def fail(self, error: BaseException, is_last: bool) -> None:
+        """Remember that this step failed, for the buckets after this one."""
+        if not is_last:
+            self.failed = error
 
 
 def register(
@@ -135,7 +156,14 @@ def compressed_hook(
     if not state.fuse_rounds:
 
         def job() -> torch.Tensor:
-            means = engine.exchange(items)
+            earlier = state.earlier_failure(is_last)
+            if earlier is not None:
+                raise earlier
+            try:
+                means = engine.exchange(items)
+            except BaseException as error:
+                state.fail(error, is_last)
+                raise
             for view, mean in zip(views, means, strict=True):
                 view.copy_(mean)
             if is_last:
@@ -149,8 +177,20 @@ def compressed_hook(
         state.waiting.append(future)
 
     def fused_job() -> None:
+        earlier = state.earlier_failure(is_last)
+        if earlier is not None:  # fail this bucket alone: DDP may be on its next step
+            with state.lock:
+                if future in state.waiting:
+                    state.waiting.remove(future)
+            if not future.done():
+                future.set_exception(earlier)
+            return
         try:
-            finished = engine.exchange_fused(items, (views, buffer, future), last=is_last)
+            try:
+                finished = engine.exchange_fused(items, (views, buffer, future), last=is_last)
+            except BaseException as error:
+                state.fail(error, is_last)
+                raise
             for (done_views, done_buffer, done_future), means in finished:
                 for view, mean in zip(done_views, means, strict=True):
                     view.copy_(mean)

@@ -170,6 +170,8 @@ class GradientExchange:
         self._current = StepStats(step=0)
         self._worker: OrderedWorker | None = None
         self._in_flight: list[_Batch] = []
+        #: the compressor's state before the step under way, to restore if it is refused
+        self._before_step: dict[str, Any] | None = None
 
     # -- running exchanges ----------------------------------------------------------------
 
@@ -245,6 +247,8 @@ class GradientExchange:
     def _start(self, items: Sequence[GradientItem], token: Any = None) -> _Batch:
         """Compensate every gradient and start its protocol, up to its first request."""
         batch = _Batch(items, [], [], token)
+        if self._before_step is None:  # the step's first exchange
+            self._before_step = self.compressor.state_dict()
         checks = FiniteChecks()  # of the gradient, or what the memory added to it
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
@@ -258,9 +262,8 @@ class GradientExchange:
             run.advance(None)
             batch.runs.append(run)
             self._current.dense_bytes += item.grad.numel() * 4
-        for i in checks.failed():  # before any round: a non-finite one poisons the first
-            batch.not_finite.append(items[i].key)
-            self.memory.forget(batch.runs[i].slot.key)  # or the NaN would stay in it for good
+        for i in checks.failed():  # before any round: a non-finite one poisons the first,
+            batch.not_finite.append(items[i].key)  # and the step is rolled back
         return batch
 
     def _round(self, batches: Sequence[_Batch], fresh: _Batch | None) -> float:
@@ -296,9 +299,14 @@ class GradientExchange:
         return means
 
     def _drop_step(self) -> None:
-        """Forget the statistics of a step whose exchange failed: the step is not taken,
-        and its counts must not add to the next one's."""
+        """Undo a step whose exchange failed: it is not taken, so its counts must not add
+        to the next one's, and the memory and the compressor go back to where they were
+        before it (nothing of its gradients stays, nothing kept before is lost)."""
         self._current = StepStats(step=self.step)
+        self.memory.rollback()
+        if self._before_step is not None:
+            self.compressor.load_state_dict(self._before_step)
+            self._before_step = None
 
     def _account(self, started: float, communicated: float) -> None:
         """Add one call's time to the current step: communication, and the rest as math."""
@@ -313,6 +321,8 @@ class GradientExchange:
                 "end_step() with exchanges still in flight: the step's last exchange_fused() "
                 "call must pass last=True (their results were dropped)"
             )
+        self.memory.commit()
+        self._before_step = None
         stats = self._current
         stats.payload_bytes = stats.traffic.payload
         stats.sent_bytes = stats.traffic.sent

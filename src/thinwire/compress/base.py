@@ -210,9 +210,13 @@ class Memory(ABC):
         ``compressed`` is False for tensors that went dense (the compressor declined them).
         """
 
-    def forget(self, key: str) -> None:
-        """Drop what is kept for tensor ``key``, which starts afresh (its compensated
-        tensor was not finite: a NaN or Inf kept here would spoil every later step)."""
+    def commit(self) -> None:
+        """The step is taken: what it left in the memory becomes the state the next step
+        compensates with."""
+
+    def rollback(self) -> None:
+        """The step is refused (a non-finite gradient on some rank, a failed collective):
+        put the memory back as it was before the step, as if it had never run."""
 
     def state_dict(self) -> dict[str, Any]:
         """Buffers to checkpoint, keyed by tensor key."""

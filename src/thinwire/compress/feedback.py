@@ -17,6 +17,11 @@ The optimizer must then apply the averaged ``v`` with plain SGD (no second momen
 Tensors the compressor declines (1-D biases and norms) still get ``u`` and ``v`` but are
 sent whole, so they see ordinary momentum SGD and no masking.
 All buffers are fp32, so half-precision models keep full-precision residuals.
+
+A refused step (a NaN on some rank, a failed collective) must leave no trace: the state a
+step writes goes into a second set of buffers (:class:`StepBuffers`) until the step is
+committed, so a rollback only has to drop it. The memories hold their state twice for
+that, and allocate nothing after the first two steps.
 """
 
 from __future__ import annotations
@@ -29,6 +34,76 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.base import Exchanged, Memory, Slot, is_real
+
+
+class StepBuffers:
+    """Per-key fp32 state (``count`` tensors per key), kept twice so a step can be undone.
+
+    :meth:`begin` hands out the state the last committed step left (zeros for a new key or
+    shape) and buffers for the state this step writes; the step's state is *pending* until
+    :meth:`commit` keeps it or :meth:`rollback` drops it. A key's pending state is also
+    kept when the key begins again, so a caller that never commits still carries its
+    state from one exchange to the next. The buffers a commit retires hold the next
+    step's state.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.kept: dict[str, tuple[Tensor, ...]] = {}
+        self._pending: dict[str, tuple[Tensor, ...]] = {}
+        self._spare: dict[str, tuple[Tensor, ...]] = {}
+
+    def begin(self, key: str, like: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """``(kept, fresh)`` for ``key``: its committed state, and the buffers (contents
+        undefined) that this step writes its new state into."""
+        self._keep(key)
+        kept = self.kept.get(key)
+        if kept is None or kept[0].shape != like.shape:
+            kept = self._new(like, torch.zeros)
+            self.kept[key] = kept
+        fresh = self._spare.pop(key, None)
+        if fresh is None or fresh[0].shape != like.shape:
+            fresh = self._new(like, torch.empty)
+        self._pending[key] = fresh
+        return kept, fresh
+
+    def current(self, key: str) -> tuple[Tensor, ...]:
+        """``key``'s newest state: this step's if it began, else the committed one."""
+        return self._pending.get(key) or self.kept[key]
+
+    def latest(self) -> dict[str, tuple[Tensor, ...]]:
+        """Every key's newest state (:meth:`current`)."""
+        return {**self.kept, **self._pending}
+
+    def commit(self) -> None:
+        """Keep every pending state."""
+        for key in list(self._pending):
+            self._keep(key)
+
+    def rollback(self) -> None:
+        """Drop every pending state; its buffers serve the next step."""
+        self._spare.update(self._pending)
+        self._pending.clear()
+
+    def load(self, kept: dict[str, tuple[Tensor, ...]]) -> None:
+        """Replace the committed state; nothing is pending afterwards."""
+        self.kept = dict(kept)
+        self._pending.clear()
+        self._spare.clear()
+
+    def _keep(self, key: str) -> None:
+        fresh = self._pending.pop(key, None)
+        if fresh is None:
+            return
+        retired = self.kept.get(key)
+        self.kept[key] = fresh
+        if retired is not None and retired[0].shape == fresh[0].shape:
+            self._spare[key] = retired
+
+    def _new(self, like: Tensor, make: Any) -> tuple[Tensor, ...]:
+        return tuple(
+            make(like.shape, dtype=torch.float32, device=like.device) for _ in range(self.count)
+        )
 
 
 class NoMemory(Memory):
@@ -46,23 +121,30 @@ class ResidualMemory(Memory):
     """Classic error feedback: add last step's residual, keep what was not sent."""
 
     def __init__(self) -> None:
-        self.residuals: dict[str, Tensor] = {}
+        self._buffers = StepBuffers(1)
+
+    @property
+    def residuals(self) -> dict[str, Tensor]:
+        """Every tensor key's newest residual (this step's once it was compensated)."""
+        return {key: state[0] for key, state in self._buffers.latest().items()}
 
     def compensate(self, grad: Tensor, slot: Slot, param: Tensor | None = None) -> Tensor:
-        """``residual += grad`` in place; the residual buffer now holds the corrected tensor."""
-        residual = self.residuals.get(slot.key)
-        if residual is None or residual.shape != grad.shape:
-            residual = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-            self.residuals[slot.key] = residual
-        return residual.add_(grad)
+        """``corrected = residual + grad``, in a buffer of the memory's that
+        :meth:`update` then turns into the next residual."""
+        (residual,), (corrected,) = self._buffers.begin(slot.key, grad)
+        return torch.add(residual, grad, out=corrected)
 
     def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
         """``residual = corrected - sent``; exact zeroing for sparsifiers."""
         _subtract_sent(corrected, sent)
 
-    def forget(self, key: str) -> None:
-        """Drop ``key``'s residual."""
-        self.residuals.pop(key, None)
+    def commit(self) -> None:
+        """This step's residuals are the ones the next step adds."""
+        self._buffers.commit()
+
+    def rollback(self) -> None:
+        """Back to the residuals the last committed step left."""
+        self._buffers.rollback()
 
     def state_dict(self) -> dict[str, Any]:
         """The residual of every tensor key."""
@@ -70,7 +152,7 @@ class ResidualMemory(Memory):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore residuals."""
-        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self._buffers.load({k: (v.clone(),) for k, v in state.get("residuals", {}).items()})
 
 
 @dataclass
@@ -102,39 +184,51 @@ class DGCMemory(Memory):
             )
         if not isinstance(self.masking, bool):
             raise ValueError(f"masking must be true or false, got {self.masking!r}")
-        self.velocities: dict[str, Tensor] = {}
-        self.accumulators: dict[str, Tensor] = {}
+        self._buffers = StepBuffers(2)  # (u, v) of every tensor key
+
+    @property
+    def velocities(self) -> dict[str, Tensor]:
+        """Every tensor key's newest velocity ``u``."""
+        return {key: state[0] for key, state in self._buffers.latest().items()}
+
+    @property
+    def accumulators(self) -> dict[str, Tensor]:
+        """Every tensor key's newest accumulator ``v``."""
+        return {key: state[1] for key, state in self._buffers.latest().items()}
 
     def compensate(self, grad: Tensor, slot: Slot, param: Tensor | None = None) -> Tensor:
-        """``u = m*u + clip(g + wd*w)``; ``v += u``; return ``v``."""
-        u = self._buffer(self.velocities, slot.key, grad)
-        v = self._buffer(self.accumulators, slot.key, grad)
+        """``u = m*u + clip(g + wd*w)``; ``v += u``; return ``v`` (this step's ``u`` and
+        ``v`` are new buffers; the last step's stay as they were until :meth:`commit`)."""
+        (u_kept, v_kept), (u, v) = self._buffers.begin(slot.key, grad)
         scale = 1.0
         if self.max_norm is not None:
             limit = self.max_norm / math.sqrt(slot.world_size)
             norm = float(torch.linalg.vector_norm(grad, dtype=torch.float32))
             if norm > limit:
                 scale = limit / (norm + 1e-12)
-        u.mul_(self.momentum).add_(grad, alpha=scale)
+        torch.mul(u_kept, self.momentum, out=u).add_(grad, alpha=scale)
         if self.weight_decay and param is not None:
             u.add_(param.detach(), alpha=self.weight_decay * scale)
-        return v.add_(u)
+        return torch.add(v_kept, u, out=v)
 
     def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
         """Zero what was sent in ``v``; with masking, also in ``u`` (compressed tensors)."""
         _subtract_sent(corrected, sent)
         if not (self.masking and compressed):
             return
-        u = self.velocities[slot.key]
+        u = self._buffers.current(slot.key)[0]
         if sent.sent_indices is not None:
             u.view(-1).index_fill_(0, sent.sent_indices, 0.0)
         elif sent.local is not None:
             u.masked_fill_(sent.local != 0, 0.0)
 
-    def forget(self, key: str) -> None:
-        """Drop ``key``'s velocity and accumulator."""
-        self.velocities.pop(key, None)
-        self.accumulators.pop(key, None)
+    def commit(self) -> None:
+        """This step's velocities and accumulators are the ones the next step builds on."""
+        self._buffers.commit()
+
+    def rollback(self) -> None:
+        """Back to the velocities and accumulators the last committed step left."""
+        self._buffers.rollback()
 
     def state_dict(self) -> dict[str, Any]:
         """Velocities ``u`` and accumulators ``v`` of every tensor key."""
@@ -145,16 +239,16 @@ class DGCMemory(Memory):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore velocities and accumulators."""
-        self.velocities = {k: t.clone() for k, t in state.get("velocities", {}).items()}
-        self.accumulators = {k: t.clone() for k, t in state.get("accumulators", {}).items()}
-
-    @staticmethod
-    def _buffer(store: dict[str, Tensor], key: str, like: Tensor) -> Tensor:
-        buffer = store.get(key)
-        if buffer is None or buffer.shape != like.shape:
-            buffer = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-            store[key] = buffer
-        return buffer
+        velocities = state.get("velocities", {})
+        accumulators = state.get("accumulators", {})
+        if set(velocities) != set(accumulators):
+            raise ValueError(
+                "DGC memory state: the velocities and accumulators name different tensors "
+                f"({sorted(set(velocities) ^ set(accumulators))}); save it with state_dict()"
+            )
+        self._buffers.load(
+            {k: (velocities[k].clone(), accumulators[k].clone()) for k in velocities}
+        )
 
 
 def _subtract_sent(corrected: Tensor, sent: Exchanged) -> None:
