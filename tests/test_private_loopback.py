@@ -94,10 +94,21 @@ def _lo_sent(namespace: str) -> int:
     raise AssertionError(f"no lo in {done.stdout!r}")
 
 
-def _holders(pid: int) -> list[int]:
+def _holders(pid: int, patience_s: float = 5.0) -> list[int]:
     """The children of ``pid`` that are a private loopback's holder (``sleep infinity``, or
     the ``setpriv``/``unshare``/``sh`` it is still on its way from: one process); a process
-    has other children too (multiprocessing's resource tracker)."""
+    has other children too (multiprocessing's resource tracker). A process in the middle
+    of an ``exec`` shows an empty command line for a moment (the holder execs ``sleep``
+    just after it said it is up), so an empty answer is asked again for ``patience_s``."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        found = _holders_now(pid)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _holders_now(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
