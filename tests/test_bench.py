@@ -610,11 +610,14 @@ def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
         {"method": "local", "options": {}, "step_s_median": 0.01, "config": config},
         {"method": "dense", "options": {}, "step_s_median": 0.2, "config": config},
     ]
-    results = tmp_path / "results.json"
-    results.write_text(json.dumps(records))
-    run = subprocess.run(
-        [sys.executable, str(script), str(results), "--write"], capture_output=True, text=True
-    )
+
+    def repredict(name: str, written: list[dict], *flags: str) -> tuple[Path, Any]:
+        path = tmp_path / name
+        path.write_text(json.dumps(written))
+        command = [sys.executable, str(script), str(path), *flags]
+        return path, subprocess.run(command, capture_output=True, text=True)
+
+    results, run = repredict("results.json", records, "--write")
     assert run.returncode == 0, run.stderr
     assert "dense" in run.stdout and "measured 0.200 s" in run.stdout
     dense = json.loads(results.read_text())[1]["predicted"]
@@ -626,21 +629,15 @@ def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
         {**records[1], "repeat": 2, "step_s_median": 0.3},
         {**records[0], "repeat": 2, "step_s_median": 0.05},
     ]
-    repeated = tmp_path / "repeated.json"
-    repeated.write_text(json.dumps(again))
-    run = subprocess.run(
-        [sys.executable, str(script), str(repeated), "--write"], text=True, capture_output=True
-    )
+    repeated, run = repredict("repeated.json", again, "--write")
     assert run.returncode == 0, run.stderr
     assert "dense #2" in run.stdout and "measured 0.300 s" in run.stdout
     first, second = (
         r["predicted"] for r in json.loads(repeated.read_text()) if r["method"] == "dense"
     )
     assert second["step_s"] > first["step_s"]  # 40 ms more compute in repeat 2
-    loopback = tmp_path / "loopback.json"
-    loopback.write_text(json.dumps([{**records[0], "config": {**config, "network": "loopback"}}]))
-    bad = subprocess.run(
-        [sys.executable, str(script), str(loopback)], capture_output=True, text=True
+    _, bad = repredict(
+        "loopback.json", [{**records[0], "config": {**config, "network": "loopback"}}]
     )
     assert bad.returncode == 1 and "a loopback run has no link to predict for" in bad.stderr
 
