@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.bench.methods import Method
+from thinwire.bench.repeats import repeat_label
 from thinwire.bench.runner import BenchConfig, _add_predictions, throughput_step_s
 
 
@@ -65,7 +66,7 @@ def repredict(path: Path, write: bool = False) -> list[tuple[str, float, float, 
 
 
 def _name(record: dict[str, Any], repeats: int) -> str:
-    return record["method"] if repeats == 1 else f"{record['method']} #{record['repeat']}"
+    return repeat_label(record["method"], record.get("repeat", 1), repeats > 1)
 
 
 def main(argv: list[str] | None = None) -> int:

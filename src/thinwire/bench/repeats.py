@@ -44,6 +44,11 @@ def repeat_order(methods: Sequence[Item], repeat: int) -> list[Item]:
     return list(methods) if repeat % 2 == 1 else list(reversed(methods))
 
 
+def repeat_label(name: str, repeat: int, repeated: bool) -> str:
+    """``name`` as a repeated run shows it (``dgc #2``); as it is in a single run."""
+    return f"{name} #{repeat}" if repeated else name
+
+
 def by_repeat(records: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     """The records grouped by their ``repeat`` (1 where a record has none: a single run)."""
     groups: dict[int, list[dict[str, Any]]] = {}

@@ -12,6 +12,8 @@ from typing import Any
 
 from rich.table import Table
 
+from thinwire.bench.repeats import repeat_label, summarise_repeats
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -53,7 +55,7 @@ def results_table(records: list[dict[str, Any]], title: str = "") -> Table:
         table.add_column(column, justify="left" if column == "method" else "right")
     for r in records:
         table.add_row(
-            f"{method_label(r)} #{r['repeat']}" if repeated else method_label(r),
+            repeat_label(method_label(r), r.get("repeat", 1), repeated),
             f"{r['step_s_median']:.3f}",
             _fmt(r.get("throughput_vs_dense"), ".2f")
             + ("x" if r.get("throughput_vs_dense") else ""),
@@ -145,8 +147,6 @@ def plot(records: list[dict[str, Any]], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from thinwire.bench.repeats import summarise_repeats
 
     first = [r for r in records if r.get("repeat", 1) == 1]
     fig, (by_time, by_step, bars) = plt.subplots(1, 3, figsize=(16, 4.5))

@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
-from thinwire.bench.repeats import by_repeat, check_repeats, repeat_order
+from thinwire.bench.repeats import by_repeat, check_repeats, repeat_label, repeat_order
 from thinwire.bench.sleeping import Stage
 from thinwire.bench.worker import (
     BenchJob,
@@ -182,7 +182,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                     for method in repeat_order(config.methods, number)
                 ]
                 for repeat, method in runs:
-                    label = method.name if config.repeats == 1 else f"{method.name} #{repeat}"
+                    label = repeat_label(method.name, repeat, config.repeats > 1)
                     shown = bar.add_task(f"{label:>13}", total=config.steps, loss="")
                     job = BenchJob(
                         task=config.task,
