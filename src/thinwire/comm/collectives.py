@@ -79,6 +79,10 @@ class Communicator(ABC):
     """
 
     name: str = "communicator"
+    #: whether the engine checks, at its first exchange, that every rank of ``group``
+    #: starts at the same step from the same checkpoint (communicators without a group of
+    #: peers, such as the parameter server's links, have their own resume protocol)
+    checks_start: bool = True
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -299,6 +303,23 @@ def run_collective(
             f"timed out (process group timeout: {_group_timeout(group)}): a peer rank has "
             f"probably died, diverged or stalled; check the other ranks' output. ({error})"
         ) from error
+
+
+def gather_bytes(data: bytes, group: dist.ProcessGroup | None, what: str) -> list[bytes]:
+    """Every rank's ``data`` (of any length), in rank order. Collective: two all-gathers,
+    of the lengths and of the bytes padded to the longest (gloo gathers equal sizes only)."""
+    device = control_device(group)
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    run_collective(what, dist.all_gather, lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    own = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        own[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(own) for _ in range(world)]
+    run_collective(what, dist.all_gather, parts, own, group=group)
+    return [p[: int(n)].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
 
 
 def value_ranges(

@@ -6,7 +6,10 @@ DDP calls a communication hook once per gradient bucket, in bucket order on ever
 waits for the returned futures at the end of the backward pass. thinwire's hook queues the
 bucket's exchange on the engine's ordered thread and returns at once, so compression and
 communication of early buckets overlap the rest of the backward pass. The future resolves
-to the bucket buffer holding the averaged gradients; the last bucket closes the step.
+to the bucket buffer holding the averaged gradients. The last bucket closes the step
+(statistics, counter, committed error feedback) before any of the step's remaining futures
+resolves, so that when ``backward()`` returns, ``engine.last_step``, ``engine.step`` and
+``engine.state_dict()`` already describe the step just taken.
 
 With ``fuse_rounds`` (the default), a compressor that needs several rounds per bucket
 (PowerSGD's P and Q, TernGrad's scaler and codes) sends bucket i's later rounds in the same
@@ -191,14 +194,15 @@ def compressed_hook(
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
-            for (done_views, done_buffer, done_future), means in finished:
+            for (done_views, _, _), means in finished:
                 for view, mean in zip(done_views, means, strict=True):
                     view.copy_(mean)
+            if is_last:  # before any future resolves: DDP's backward() returns on them
+                engine.end_step()
+            for _, done_buffer, done_future in (token for token, _ in finished):
                 with state.lock:
                     state.waiting.remove(done_future)
                 done_future.set_result(done_buffer)
-            if is_last:
-                engine.end_step()
         except BaseException as error:  # every bucket still waiting would wait forever
             with state.lock:
                 failed, state.waiting[:] = list(state.waiting), []

@@ -24,6 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from thinwire.comm.checkpoint import (
+    check_owner,
+    check_same_start,
+    gather_states,
+    is_all_ranks,
+    own_part,
+    owner_of,
+)
 from thinwire.comm.collectives import (
     Communicator,
     Traffic,
@@ -172,6 +180,10 @@ class GradientExchange:
         self._in_flight: list[_Batch] = []
         #: the compressor's state before the step under way, to restore if it is refused
         self._before_step: dict[str, Any] | None = None
+        #: the all-ranks checkpoint this exchange resumed from (0: none), and whether the
+        #: ranks have checked that they all start from the same one (at the first exchange)
+        self._origin = 0
+        self._start_checked = not self.communicator.checks_start
 
     # -- running exchanges ----------------------------------------------------------------
 
@@ -246,6 +258,9 @@ class GradientExchange:
 
     def _start(self, items: Sequence[GradientItem], token: Any = None) -> _Batch:
         """Compensate every gradient and start its protocol, up to its first request."""
+        if not self._start_checked:
+            check_same_start(self.step, self._origin, self.rank, self.communicator.group)
+            self._start_checked = True
         batch = _Batch(items, [], [], token)
         if self._before_step is None:  # the step's first exchange
             self._before_step = self.compressor.state_dict()
@@ -380,7 +395,8 @@ class GradientExchange:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue exactly: step, compressor, memory,
         and whose they are (``owner``: this rank, the world size, the compressor and its
-        options, the memory), since residuals, momenta and warm starts are one rank's own."""
+        options, the memory), since residuals, momenta and warm starts are one rank's own.
+        For a checkpoint that one rank writes, use :meth:`full_state_dict`."""
         return {
             "step": self.step,
             "compressor": self.compressor.state_dict(),
@@ -388,48 +404,39 @@ class GradientExchange:
             "owner": self._owner(),
         }
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """Every rank's :meth:`state_dict` in one object, the same on every rank, for
+        checkpoints that one rank writes (frameworks save rank 0's copy only); each rank
+        takes its own part in :meth:`load_state_dict`. Collective: every rank calls it
+        after the same number of steps."""
+        return gather_states(self.state_dict(), self.communicator.group)
+
     def _owner(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "compressor": repr(self.compressor),
-            "memory": type(self.memory).__name__,
-        }
+        memory = type(self.memory).__name__
+        return owner_of(self.rank, self.world_size, repr(self.compressor), memory)
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` saying what to do unless ``state`` is this exchange's own:
-        saved by this rank of a job of this size, with the same compressor and memory.
-        (States saved before thinwire recorded an owner are taken as they are.)"""
-        missing = {"step", "compressor", "memory"} - set(state)
-        if missing:
-            raise ValueError(f"not a thinwire exchange state: missing {sorted(missing)}")
-        owner, mine = state.get("owner"), self._owner()
-        if owner is None:
-            return
-        for key in ("compressor", "memory"):
-            if owner.get(key) != mine[key]:
-                raise ValueError(
-                    f"this thinwire state was saved with {key} {owner.get(key)}, but this "
-                    f"exchange uses {mine[key]}: build thinwire with the same compressor "
-                    "options as the saved run, or resume without the thinwire state (the "
-                    "compressor then starts fresh)"
-                )
-        if (owner.get("rank"), owner.get("world_size")) != (self.rank, self.world_size):
-            raise ValueError(
-                f"this thinwire state is rank {owner.get('rank')}'s of {owner.get('world_size')}"
-                f", and this is rank {self.rank} of {self.world_size}: residuals, momenta and "
-                "warm starts are each rank's own, so every rank must save its own "
-                "state_dict() (e.g. to ckpt-rank{rank}.pt) and load that one. To resume "
-                "on another number of ranks, resume without the thinwire state."
-            )
+        saved by this rank of a job of this size, with the same compressor and memory
+        (an all-ranks state from :meth:`full_state_dict`: its part for this rank)."""
+        if is_all_ranks(state):
+            state, _ = own_part(state, self.rank, self.world_size)
+        check_owner(state, self._owner())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, after :meth:`check_state`."""
-        self.check_state(state)
+        """Restore what :meth:`state_dict` or :meth:`full_state_dict` returned, after
+        :meth:`check_state`. At its first exchange every rank then checks that all ranks
+        start from the same step and all-ranks checkpoint, and raises
+        :class:`~thinwire.errors.RankMismatchError` if some resumed and others did not."""
+        origin = 0
+        if is_all_ranks(state):
+            state, origin = own_part(state, self.rank, self.world_size)
+        check_owner(state, self._owner())
         self.step = int(state["step"])
         self._current = StepStats(step=self.step)
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
+        self._origin = origin
 
 
 def gradient_of(name: str, param: Tensor) -> Tensor:

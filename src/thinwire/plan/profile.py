@@ -462,6 +462,8 @@ class _LocalCommunicator(Communicator):
     all-gather or direct) would issue: one all-gather or all-to-all of every request plus a
     status byte, or one all-reduce per (op, dtype)."""
 
+    checks_start = False  # no peers to agree with
+
     def __init__(self, world: int, kind: str) -> None:  # no process group needed
         self.group, self.world_size, self.rank, self.timeout = None, world, 0, None
         self.kind = kind

@@ -62,6 +62,8 @@ class ServerLink(Communicator):
 
     name = "parameter-server"
 
+    checks_start = False  # no group of peers: the server has its own resume protocol
+
     def __init__(self, channel: Channel, world_size: int, rank: int, replies: bool) -> None:
         self.group = None
         self.world_size = world_size
@@ -102,6 +104,8 @@ class WorkerFanIn(Communicator):
     """
 
     name = "parameter-server"
+
+    checks_start = False  # no group of peers: the server has its own resume protocol
 
     def __init__(self, channels: Sequence[Channel], world_size: int, replies: bool) -> None:
         self.group = None

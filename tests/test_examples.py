@@ -1,0 +1,48 @@
+"""The README's quick starts are files in ``examples/``, run here as the README shows them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from thinwire.launch import free_port
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def _torchrun(script: Path, cwd: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N script`` from this interpreter, on a free port."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(free_port()), str(script),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
+
+
+def _readme_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_the_readme_shows_the_quick_start_file_as_it_is() -> None:
+    text = (EXAMPLES / "quickstart_ddp.py").read_text()
+    code = text[text.index("import torch") :]
+    assert code in _readme_blocks()
+
+
+def test_the_ddp_quick_start_runs_under_torchrun(tmp_path) -> None:
+    done = _torchrun(EXAMPLES / "quickstart_ddp.py", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ratios = [float(r) for r in re.findall(r"(\d+)x compressed", done.stdout)]
+    assert len(ratios) == 3 and all(r > 10 for r in ratios), done.stdout
+    accuracy = float(re.search(r"held-out accuracy ([\d.]+) after 60 steps", done.stdout)[1])
+    assert accuracy > 0.85, done.stdout
+    assert (tmp_path / "quickstart-ckpt.pt").exists()
