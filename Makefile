@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,integrations]"
 	@touch $(STAMP)
 
 setup: $(STAMP)
