@@ -87,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on an accelerator that leaves the CPU to the network (timings only; no eval)",
     )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds one method's run may take before it is stopped (default 3600; long "
+        "quality runs need more)",
+    )
     parser.add_argument("--out", default="runs/bench", help="directory for results and plots")
 
 
@@ -176,6 +183,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             compute=args.compute,
             broadcast_buffers=not args.no_broadcast_buffers,
             repeats=args.repeats,
+            timeout_s=args.timeout,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
         console.print(f"[red]error:[/] {escape(str(error))}")

@@ -113,6 +113,8 @@ class BenchConfig:
             check_servers(method.name, method.options, self.workers)
         check_bucket_spec(self.bucket_cap_mb)
         check_repeats(self.repeats)
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"the timeout must be a number of seconds > 0, got {self.timeout_s!r}")
         check_lr_schedule(self.lr_schedule)
         if self.compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")
