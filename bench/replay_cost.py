@@ -3,7 +3,7 @@
     python bench/replay_cost.py [--task fashion] [--delays 1,2,4] [--repeats 20]
 
 On one CPU thread, times the median of one Adam step on the task's model, and of one
-replayed step (:mod:`thinwire.dp.replay`: a consensus step on the averages, the live
+replayed step (:mod:`thinwire.data_parallel.replay`: a consensus step on the averages, the live
 weights and state set to the consensus, then D own steps again) for each delay D.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from thinwire.dp.replay import ConsensusReplay, hyperparameters
+from thinwire.data_parallel.replay import ConsensusReplay, hyperparameters
 from thinwire.tasks import task
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.bench.methods import Method
+from thinwire.bench.ratios import throughput_step_s
 from thinwire.bench.repeats import repeat_label
-from thinwire.bench.runner import BenchConfig, _add_predictions, throughput_step_s
+from thinwire.bench.runner import BenchConfig, add_predictions
 
 
 def config_of(records: list[dict[str, Any]]) -> BenchConfig:
@@ -55,7 +56,7 @@ def repredict(path: Path, write: bool = False) -> list[tuple[str, float, float, 
     if config.network != "emulated":
         raise ValueError(f"{path}: a {config.network} run has no link to predict for")
     before = [(r.get("predicted") or {}).get("error") for r in records]
-    _add_predictions(config, records)
+    add_predictions(config, records)
     if write:
         path.write_text(json.dumps(records, indent=2))
     return [

@@ -502,8 +502,8 @@ def _timed(method: str, repeat: int, step_s: float) -> dict[str, Any]:
 
 
 def test_each_repeat_is_measured_against_its_own_local_and_dense() -> None:
+    from thinwire.bench.ratios import add_ratios
     from thinwire.bench.repeats import repeat_order, summarise_repeats
-    from thinwire.bench.runner import _add_ratios
 
     assert repeat_order("abc", 1) == ["a", "b", "c"] == repeat_order("abc", 3)
     assert repeat_order("abc", 2) == ["c", "b", "a"]
@@ -519,7 +519,7 @@ def test_each_repeat_is_measured_against_its_own_local_and_dense() -> None:
         _timed("dense", 3, 4.0),
         _timed("dgc", 3, 1.0),
     ]
-    _add_ratios(records)
+    add_ratios(records)
     dgc = [r for r in records if r["method"] == "dgc"]
     assert [r["scaling_efficiency"] for r in dgc] == [0.8, 0.8, 1.0]
     assert [r["throughput_vs_dense"] for r in dgc] == [3.2, 3.2, 4.0]
@@ -643,7 +643,7 @@ def test_repredict_script_predicts_a_finished_run_again(tmp_path: Path) -> None:
 
 
 def test_unsynchronised_methods_are_timed_by_the_wall_clock() -> None:
-    from thinwire.bench.runner import throughput_step_s
+    from thinwire.bench.ratios import throughput_step_s
 
     timings = {"step_s_median": 1.0, "wall_step_s": 0.9}
     assert throughput_step_s({"method": "dense", **timings}) == 1.0

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from thinwire.comm import buckets
-from thinwire.comm.buckets import (
+from thinwire.data_parallel import buckets
+from thinwire.data_parallel.buckets import (
     MB,
     TAPERED,
     assign_buckets,

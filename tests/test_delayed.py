@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import thinwire
-from thinwire.dp.delayed import correction_coefficients
-from thinwire.dp.replay import ConsensusReplay
+from thinwire.data_parallel.delayed import correction_coefficients
+from thinwire.data_parallel.replay import ConsensusReplay
 from thinwire.launch import init_local_group
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.collectives import _group_timeout, control_device
+from thinwire.comm.collectives import control_device, group_timeout
 from thinwire.compress.base import FiniteChecks
 
 
@@ -49,11 +49,11 @@ class NcclOnlyGroup:
 
 def test_the_timeout_of_an_nccl_only_group_is_read_from_its_cuda_backend() -> None:
     # thinwire.register failed here on NCCL before: it asked for the CPU backend unguarded
-    assert _group_timeout(NcclOnlyGroup()) == datetime.timedelta(seconds=42)  # type: ignore[arg-type]
+    assert group_timeout(NcclOnlyGroup()) == datetime.timedelta(seconds=42)  # type: ignore[arg-type]
 
 
 def test_a_group_without_any_readable_timeout_gives_none() -> None:
-    assert _group_timeout(SimpleNamespace()) is None  # type: ignore[arg-type]
+    assert group_timeout(SimpleNamespace()) is None  # type: ignore[arg-type]
 
 
 def test_finite_checks_name_the_tensors_with_nan_or_inf_in_order() -> None:

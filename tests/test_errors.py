@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thinwire
-import thinwire.sparse
+import thinwire.data_parallel.sparse
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.launch import init_local_group
 from thinwire.tasks.digits import DigitsMLP
@@ -133,7 +133,8 @@ def misuse_register(rank: int, world: int) -> list[str]:
     except RuntimeError as error:
         messages.append(str(error))
     try:
-        thinwire.sparse.shard_embeddings(DDP(nn.Sequential(nn.Embedding(8, 2), nn.Linear(2, 2))))
+        model = nn.Sequential(nn.Embedding(8, 2), nn.Linear(2, 2))
+        thinwire.data_parallel.sparse.shard_embeddings(DDP(model))
         messages.append("no error")
     except TypeError as error:
         messages.append(str(error))
@@ -251,7 +252,7 @@ def test_a_sparse_gradient_is_refused_with_what_to_do(pool2) -> None:
     """It failed inside torch ("reshape is not implemented for sparse tensors")."""
     for message in pool2.run(sparse_gradient):
         assert "the gradient of 'weight' is sparse" in message
-        assert "sparse=False" in message and "thinwire.sparse" in message
+        assert "sparse=False" in message and "thinwire.data_parallel.sparse" in message
 
 
 def fp16_overflow(rank: int, world: int) -> str:

@@ -19,9 +19,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import thinwire
+from thinwire.data_parallel.parameter_server.channels import LocalPair
+from thinwire.data_parallel.parameter_server.sharding import assign_shards
 from thinwire.launch import init_local_group
-from thinwire.ps.channels import LocalPair
-from thinwire.ps.sharding import assign_shards
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -203,9 +203,9 @@ def test_asynchronous_server_never_lets_a_worker_run_further_ahead_than_the_boun
 
 
 def _train_with_short_logs(rank: int, world: int, run: Run) -> dict[str, Any]:
-    import thinwire.ps.server
+    import thinwire.data_parallel.parameter_server.server
 
-    thinwire.ps.server.LOG_LENGTH = 5  # this worker process only
+    thinwire.data_parallel.parameter_server.server.LOG_LENGTH = 5  # this worker process only
     return train(rank, world, run)
 
 

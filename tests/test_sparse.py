@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
-from thinwire.comm.collectives import _group_timeout
-from thinwire.sparse import (
+from thinwire.comm.collectives import group_timeout
+from thinwire.data_parallel.sparse import (
     AllGatherEmbedding,
     ShardedEmbedding,
     allgather_embeddings,
@@ -28,7 +28,7 @@ from thinwire.sparse import (
     load_full_optimizer_state_dict,
     shard_embeddings,
 )
-from thinwire.sparse.embedding import initial_shard
+from thinwire.data_parallel.sparse.embedding import initial_shard
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -245,7 +245,7 @@ def _misuse_prefetch(rank: int, world: int) -> list[str]:
     after = table(torch.tensor([6])).detach()  # the table still works afterwards
     messages.append(str(torch.equal(after, table.full_weight()[6:7])))
     # the table's own groups give up when the user's timeout says, not gloo's 30 minutes
-    timeouts = {str(_group_timeout(g)) for g in (None, table._lookup_group, table._prefetch_group)}
+    timeouts = {str(group_timeout(g)) for g in (None, table._lookup_group, table._prefetch_group)}
     messages.append(" ".join(sorted(timeouts)))
     return messages
 

@@ -20,7 +20,7 @@ from torch import Tensor
 import thinwire
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory
-from thinwire.compress.dgc import DGC, _nonzero, warmup_stages
+from thinwire.compress.dgc import DGC, nonzero_positions, warmup_stages
 from thinwire.compress.feedback import DGCMemory, NoMemory, ResidualMemory
 from thinwire.compress.powersgd import PowerSGD, orthogonalize_rows
 from thinwire.compress.powersgd_oneround import Bases, OneRoundPowerSGD
@@ -176,8 +176,8 @@ def test_wordwise_nonzero_matches_nonzero(n: int, fill: float, seed: int) -> Non
     mask = torch.zeros(padded, dtype=torch.bool)
     mask[:n] = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < fill
     expected = mask.nonzero().view(-1)
-    assert torch.equal(_nonzero(mask, sparse=True), expected)
-    assert torch.equal(_nonzero(mask, sparse=False), expected)
+    assert torch.equal(nonzero_positions(mask, sparse=True), expected)
+    assert torch.equal(nonzero_positions(mask, sparse=False), expected)
 
 
 def test_dgc_compresses_at_least_450x_at_density_0_001() -> None:

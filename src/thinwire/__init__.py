@@ -7,15 +7,15 @@ opt = thinwire.DistributedOptimizer(torch.optim.SGD(...), model, "powersgd", ran
 ddp = DistributedDataParallel(model, bucket_cap_mb_list=thinwire.tapered_buckets(model))
 """
 
-from thinwire.comm import (
+from thinwire.comm import GradientExchange, StepStats
+from thinwire.compress import Compressor, compressor, compressors, register_compressor
+from thinwire.data_parallel import (
+    DelayedAveraging,
     DistributedOptimizer,
-    GradientExchange,
-    StepStats,
+    ParameterServer,
     register,
     tapered_buckets,
 )
-from thinwire.compress import Compressor, compressor, compressors, register_compressor
-from thinwire.dp import DelayedAveraging
 from thinwire.errors import (
     CommunicationError,
     IncompatibleCompressorError,
@@ -23,7 +23,6 @@ from thinwire.errors import (
     RankMismatchError,
     ThinwireError,
 )
-from thinwire.ps import ParameterServer
 
 __all__ = [
     "CommunicationError",

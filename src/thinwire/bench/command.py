@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from thinwire.comm.buckets import parse_bucket_spec
+from thinwire.data_parallel.buckets import parse_bucket_spec
 
 #: learning rates that train each task well with SGD (momentum 0.9) at its default batch
 DEFAULT_LR = {"digits": 0.1, "fashion": 0.05, "text": 0.5, "packages": 1.0}

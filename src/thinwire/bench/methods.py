@@ -22,8 +22,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
-from thinwire.comm.buckets import BucketSpec, ddp_bucket_options
 from thinwire.compress.base import is_real
+from thinwire.data_parallel.buckets import BucketSpec, ddp_bucket_options
+from thinwire.data_parallel.sparse import (
+    ShardedEmbedding,
+    allgather_embeddings,
+    dense_embeddings,
+    shard_embeddings,
+)
 from thinwire.plan.methods import (
     EMBEDDING_KINDS,
     WRAPPER_KINDS,
@@ -31,12 +37,6 @@ from thinwire.plan.methods import (
     method_kind,
     method_options,
     split_communicator,
-)
-from thinwire.sparse import (
-    ShardedEmbedding,
-    allgather_embeddings,
-    dense_embeddings,
-    shard_embeddings,
 )
 
 

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.methods import Method
+from thinwire.bench.ratios import add_ratios, throughput_step_s
 from thinwire.bench.repeats import by_repeat, check_repeats, repeat_label, repeat_order
 from thinwire.bench.sleeping import Stage
 from thinwire.bench.worker import (
@@ -46,14 +47,9 @@ from thinwire.bench.worker import (
 )
 from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.cluster.private import check_private_loopback, private_loopback
-from thinwire.comm.buckets import BucketSpec, check_bucket_spec
+from thinwire.data_parallel.buckets import BucketSpec, check_bucket_spec
 from thinwire.launch import LocalPool, Placement
-from thinwire.plan.methods import (
-    EMBEDDING_KINDS,
-    UNSYNCHRONISED_KINDS,
-    check_servers,
-    method_kind,
-)
+from thinwire.plan.methods import EMBEDDING_KINDS, check_servers
 
 
 @dataclass(frozen=True)
@@ -222,12 +218,12 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         shown, completed=config.steps, loss=f"loss {ranks[0]['losses'][-1]:.3f}"
                     )
                     records.append(_record(config, method, repeat, ranks, wall, describe))
-                    _add_ratios(records)
+                    add_ratios(records)
                     _save(records, out)  # a later failure keeps what was measured
-    _add_ratios(records)
+    add_ratios(records)
     if config.network == "emulated" and config.workers > 1:
         with console.status("cost model: profiling compute and compression in this process"):
-            _add_predictions(config, records)
+            add_predictions(config, records)
     _save(records, out)
     return records
 
@@ -436,7 +432,7 @@ def _record(
     }
 
 
-def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
+def add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
     """Put the cost model's prediction beside each measured record (``predicted``), with
     compute calibrated to the measured ``local`` step (the same processes' compute)."""
     from thinwire.plan import Link, profile_model
@@ -471,48 +467,3 @@ def _add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None
             predicted = profile.predict(record["method"], link, compute=local).as_dict()
             predicted["error"] = predicted["step_s"] / throughput_step_s(record) - 1
             record["predicted"] = predicted
-
-
-def throughput_step_s(record: dict[str, Any]) -> float:
-    """The time per step that a record's throughput is: the median of the slowest rank's
-    step for synchronous methods, the wall-clock time per step for ``dga`` and
-    ``ps-async`` (their ranks do not wait for each other, so the slowest rank of each step
-    is a different rank at a different time)."""
-    if method_kind(record["method"]) in UNSYNCHRONISED_KINDS:
-        return record["wall_step_s"]
-    return record["step_s_median"]
-
-
-def _add_ratios(records: list[dict[str, Any]]) -> None:
-    """Fill in what needs several methods: compute-only time, communication not hidden,
-    scaling efficiency, compression ratio against dense and throughput against dense,
-    each against ``local`` and ``dense`` of the record's own repeat."""
-    for repeat in by_repeat(records).values():
-        _add_ratios_of_one_run(repeat)
-
-
-def _add_ratios_of_one_run(records: list[dict[str, Any]]) -> None:
-    by_name = {r["method"]: r for r in records}
-    local, dense = by_name.get("local"), by_name.get("dense")
-    for record in records:
-        compute = local["step_s_median"] if local else None
-        record["compute_s_median"] = compute
-        record["comm_s_median"] = (
-            max(0.0, record["step_s_median"] - compute) if compute is not None else None
-        )
-        record["scaling_efficiency"] = compute / record["step_s_median"] if compute else None
-        record["wall_scaling_efficiency"] = (
-            local["wall_step_s"] / record["wall_step_s"] if local else None
-        )
-        record["compression_ratio"] = (
-            dense["bytes_sent_per_step"] / record["bytes_sent_per_step"]
-            if dense and record["bytes_sent_per_step"] > 0 and record["method"] != "local"
-            else (record["thinwire"] or {}).get("compression_ratio_median")
-        )
-        record["throughput_vs_dense"] = (
-            dense["step_s_median"] / record["step_s_median"] if dense else None
-        )
-        record["wall_throughput_vs_dense"] = (
-            dense["wall_step_s"] / record["wall_step_s"] if dense else None
-        )
-        record["steps_per_s"] = 1.0 / record["step_s_median"]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from thinwire.bench.methods import Method, prepare, wrap
 from thinwire.bench.sleeping import Stage, profile_stages, sleeping_twin
-from thinwire.comm.buckets import BucketSpec
+from thinwire.data_parallel.buckets import BucketSpec
 from thinwire.tasks import task as build_task
 
 

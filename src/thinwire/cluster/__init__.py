@@ -6,10 +6,9 @@ from thinwire.cluster.emulated import (
     Host,
     check_can_emulate,
     list_namespaces,
-    parse_duration,
-    parse_rate,
     remove_leftovers,
 )
+from thinwire.cluster.units import parse_duration, parse_rate
 
 __all__ = [
     "ClusterError",

@@ -1,25 +1,24 @@
-"""Communication: collectives, the exchange engine and its front ends."""
+"""Transport: collectives, process groups and timeouts, the rank-agreement check, byte
+framing, the exchange thread, and the gradient exchange engine that drives them.
 
-from thinwire.comm.buckets import tapered_buckets
+Nothing here knows DDP or optimizers: the data-parallel front ends
+(:mod:`thinwire.data_parallel`) hand the engine a step's gradients.
+"""
+
 from thinwire.comm.collectives import (
     AllGatherCommunicator,
     AllReduceCommunicator,
     Communicator,
     make_communicator,
 )
-from thinwire.comm.ddp_hook import register
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
-from thinwire.comm.optimizer import DistributedOptimizer
 
 __all__ = [
     "AllGatherCommunicator",
     "AllReduceCommunicator",
     "Communicator",
-    "DistributedOptimizer",
     "GradientExchange",
     "GradientItem",
     "StepStats",
     "make_communicator",
-    "register",
-    "tapered_buckets",
 ]

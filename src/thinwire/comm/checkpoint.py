@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.collectives import gather_bytes, value_ranges
+from thinwire.comm.agreement import value_ranges
+from thinwire.comm.collectives import gather_bytes
 from thinwire.errors import RankMismatchError
 
 #: the ``format`` of an all-ranks state

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from thinwire.comm.framing import frame, split_bytes
 from thinwire.compress.base import Aggregation, Compressor, Op, Request, all_finite
 from thinwire.errors import CommunicationError, IncompatibleCompressorError
 
@@ -76,6 +77,9 @@ class Communicator(ABC):
 
     Args:
         group: the process group (``None``: the default group).
+        world_size: for a communicator without a process group (the parameter server's
+            links, the planner's single process): the number of ranks its compressor
+            averages over; ``rank``: this participant's index.
     """
 
     name: str = "communicator"
@@ -84,7 +88,16 @@ class Communicator(ABC):
     #: peers, such as the parameter server's links, have their own resume protocol)
     checks_start: bool = True
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        if world_size is not None:  # no process group: messages go another way
+            self.group, self.world_size, self.rank, self.timeout = None, world_size, rank or 0, None
+            return
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call "
@@ -93,7 +106,7 @@ class Communicator(ABC):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout = _group_timeout(group)
+        self.timeout = group_timeout(group)
 
     def supports(self, op: Op) -> bool:
         """Whether this communicator can execute requests of kind ``op``."""
@@ -166,15 +179,14 @@ class AllGatherCommunicator(Communicator):
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
         tensors = [t for request in requests for t in request.tensors]
         device = tensors[0].device if tensors else control_device(self.group)
-        status = torch.tensor([int(poison)], dtype=torch.uint8, device=device)
-        own = torch.cat([_as_bytes(t) for t in tensors] + [status])
+        own = frame(tensors, poison, device)
         gathered = torch.empty(self.world_size * own.numel(), dtype=torch.uint8, device=device)
         self._gather(gathered, own)
         per_rank = gathered.view(self.world_size, own.numel())
         poisoned = bool(per_rank[:, -1].any())
         traffic = _ring_allgather_traffic(own.numel(), self.world_size)
         # Decode every rank's tensors from its bytes, in request order.
-        rank_tensors = [_split_bytes(per_rank[r, :-1], tensors) for r in range(self.world_size)]
+        rank_tensors = [split_bytes(per_rank[r, :-1], tensors) for r in range(self.world_size)]
         answers: list[Any] = []
         offset = 0
         for request in requests:
@@ -184,7 +196,7 @@ class AllGatherCommunicator(Communicator):
             if request.op is Op.GATHER:
                 answers.append(per_rank_payload)
             else:
-                answers.append(_reduce_locally(request.op, per_rank_payload))
+                answers.append(reduce_locally(request.op, per_rank_payload))
         return RoundResult(answers, poisoned, traffic)
 
     def _gather(self, gathered: Tensor, own: Tensor) -> None:
@@ -253,21 +265,9 @@ def _split(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     return [piece.view(t.shape) for piece, t in zip(flat.split(sizes), like, strict=True)]
 
 
-def _as_bytes(tensor: Tensor) -> Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _split_bytes(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
-    sizes = [t.numel() * t.element_size() for t in like]
-    out = []
-    for piece, t in zip(buffer.split(sizes), like, strict=True):
-        if piece.storage_offset() % t.element_size():
-            piece = piece.clone()  # misaligned for a view as t.dtype: copy (payloads are small)
-        out.append(piece.view(t.dtype).view(t.shape))
-    return out
-
-
-def _reduce_locally(op: Op, per_rank: list[list[Tensor]]) -> list[Tensor]:
+def reduce_locally(op: Op, per_rank: list[list[Tensor]]) -> list[Tensor]:
+    """Sum (or take the maximum of) every rank's payload, in rank order, so that every
+    rank that reduces the same gathered payloads computes the same bits."""
     out = [t.clone() for t in per_rank[0]]
     for payload in per_rank[1:]:
         for acc, t in zip(out, payload, strict=True):
@@ -300,7 +300,7 @@ def run_collective(
     except RuntimeError as error:
         raise CommunicationError(
             f"{what} on rank {dist.get_rank(group)} of {dist.get_world_size(group)} failed or "
-            f"timed out (process group timeout: {_group_timeout(group)}): a peer rank has "
+            f"timed out (process group timeout: {group_timeout(group)}): a peer rank has "
             f"probably died, diverged or stalled; check the other ranks' output. ({error})"
         ) from error
 
@@ -322,19 +322,6 @@ def gather_bytes(data: bytes, group: dist.ProcessGroup | None, what: str) -> lis
     return [p[: int(n)].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
 
 
-def value_ranges(
-    values: Sequence[int], group: dist.ProcessGroup | None = None
-) -> list[tuple[int, int]]:
-    """The lowest and highest of each of ``values`` over the ranks of ``group``, from one
-    all-reduce (max over ``[x, -x]``): equal on every rank where the ranks agree.
-    Collective: every rank calls it with as many values."""
-    probe = torch.tensor(
-        [v for value in values for v in (int(value), -int(value))], device=control_device(group)
-    )
-    run_collective("a settings check", dist.all_reduce, probe, op=dist.ReduceOp.MAX, group=group)
-    return [(-int(probe[2 * i + 1]), int(probe[2 * i])) for i in range(len(values))]
-
-
 def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where thinwire's small control tensors (settings checks, status bytes) must live for
     ``group``'s collectives: the CPU when its backend carries CPU tensors (gloo, MPI, or a
@@ -352,7 +339,7 @@ def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     default (30 minutes on gloo), so a dead peer would hang it far longer than the user
     asked for."""
     ranks = dist.get_process_group_ranks(group) if group is not None else None
-    timeout = _group_timeout(group)
+    timeout = group_timeout(group)
     try:
         return dist.new_group(ranks=ranks, timeout=timeout)
     except RuntimeError as error:
@@ -364,7 +351,7 @@ def sibling_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
         ) from error
 
 
-def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
     """The process group's collective timeout (``None`` if unknown): for error messages and
     for the groups :func:`sibling_group` makes."""
     pg = dist.distributed_c10d._get_default_group() if group is None else group

@@ -14,7 +14,6 @@ that runs exchanges in order.
 from __future__ import annotations
 
 import collections
-import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from thinwire.comm.agreement import parameter_layout, ranks_differing
 from thinwire.comm.checkpoint import (
     check_owner,
     check_same_start,
@@ -35,9 +35,7 @@ from thinwire.comm.checkpoint import (
 from thinwire.comm.collectives import (
     Communicator,
     Traffic,
-    control_device,
     make_communicator,
-    run_collective,
 )
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
@@ -366,23 +364,12 @@ class GradientExchange:
         same compressor setup; raise :class:`RankMismatchError` naming what differs.
         Collective: all ranks call it."""
         shapes = list(parameters)
-        layout = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in shapes)
         setup = f"{self.compressor!r}|{self.communicator.name}|{type(self.memory).__name__}"
-        mine = torch.tensor(
-            [_digest(layout), _digest(setup)],
-            dtype=torch.int64,
-            device=control_device(self.communicator.group),
+        layouts, setups = ranks_differing(
+            [parameter_layout(shapes), setup], self.communicator.group
         )
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        run_collective(
-            "the setup check", dist.all_gather, everyone, mine, group=self.communicator.group
-        )
-        problems = []
-        for rank, theirs in enumerate(everyone):
-            if theirs[0] != mine[0]:
-                problems.append(f"rank {rank} has different parameters (names, shapes or dtypes)")
-            if theirs[1] != mine[1]:
-                problems.append(f"rank {rank} uses a different compressor or communicator")
+        problems = [f"rank {r} has different parameters (names, shapes or dtypes)" for r in layouts]
+        problems += [f"rank {r} uses a different compressor or communicator" for r in setups]
         if problems:
             raise RankMismatchError(
                 f"ranks disagree (seen from rank {self.rank}): {'; '.join(problems)}. "
@@ -448,13 +435,10 @@ def gradient_of(name: str, param: Tensor) -> Tensor:
         raise TypeError(
             f"the gradient of {name!r} is sparse ({param.grad.layout}), as nn.Embedding("
             "sparse=True) makes it; thinwire exchanges dense gradients. Build the layer with "
-            "sparse=False, or shard the table with thinwire.sparse (its rows travel sparsely)."
+            "sparse=False, or shard the table with thinwire.data_parallel.sparse (its rows "
+            "travel sparsely)."
         )
     return param.grad
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little", signed=True)
 
 
 def _non_finite_message(step: int, rank: int, keys: list[str], compressor: str = "") -> str:

@@ -1,19 +1,12 @@
-"""Gradient compressors, one algorithm per module, registered by name."""
+"""Gradient compressors, one algorithm per module, registered by name.
 
-from thinwire.compress import (  # noqa: F401  (importing registers them)
-    bf16,
-    dgc,
-    fp16,
-    none,
-    onebit,
-    powersgd,
-    powersgd_oneround,
-    qsgd,
-    randomk,
-    signsgd,
-    terngrad,
-    topk,
-)
+Every module of this package is imported here, so a compressor's module registers itself
+(``@register_compressor``) just by being in the package: adding one is adding a file.
+"""
+
+import importlib
+import pkgutil
+
 from thinwire.compress.base import (
     Aggregation,
     Compressor,
@@ -39,3 +32,6 @@ __all__ = [
     "register_compressor",
     "run_locally",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -146,7 +146,7 @@ class DGC(TopK):
             if not threshold > 0:  # mostly zeros: a threshold cannot separate them
                 break
             torch.ge(magnitude, threshold, out=mask[:n])
-            candidates = _nonzero(mask, sparse=aim * 64 < sample.numel())
+            candidates = nonzero_positions(mask, sparse=aim * 64 < sample.numel())
             self.last_candidates = candidates.numel()
             if candidates.numel() >= k:
                 best = torch.topk(magnitude.index_select(0, candidates), k, sorted=False)
@@ -192,7 +192,7 @@ def warmup_stages(density: float) -> list[float]:
     return stages
 
 
-def _nonzero(mask: Tensor, sparse: bool) -> Tensor:
+def nonzero_positions(mask: Tensor, sparse: bool) -> Tensor:
     """Flat indices of the ``True`` entries of a bool mask whose length is a multiple of 8.
 
     A sparse mask is scanned eight bytes at a time: find the nonzero int64 words, then look

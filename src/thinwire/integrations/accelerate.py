@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from thinwire.comm.ddp_hook import register as register_hook
 from thinwire.comm.engine import GradientExchange
+from thinwire.data_parallel.ddp_hook import register as register_hook
 from thinwire.integrations.common import AllRanksState, ddp_model, require
 
 require("accelerate", "accelerate")

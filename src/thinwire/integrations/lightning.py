@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from thinwire.comm.ddp_hook import register
+from thinwire.data_parallel.ddp_hook import register
 from thinwire.integrations.common import AllRanksState, ddp_model, require, step_figures
 
 _lightning = require("lightning.pytorch", "lightning")

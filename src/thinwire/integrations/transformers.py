@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.ddp_hook import register as register_hook
+from thinwire.data_parallel.ddp_hook import register as register_hook
 from thinwire.integrations.common import AllRanksState, ddp_model, require, step_figures
 
 _transformers = require("transformers", "transformers")

@@ -6,31 +6,21 @@
     profile.predict("dgc", link).step_s                     # this process's compute
     profile.predict("dgc", link, compute=local_step_s)      # calibrated to a measured one
 
-:mod:`thinwire.plan.cost` is the pure alpha-beta model (numbers in, numbers out);
+:mod:`thinwire.plan.network` (links, alpha-beta collectives), :mod:`thinwire.plan.cost` (a
+step's timeline) and :mod:`thinwire.plan.breakeven` are the pure model (numbers in, numbers out);
 :mod:`thinwire.plan.profile` measures compute, traffic and compression time in this
 process; :mod:`thinwire.plan.methods` names the methods; :mod:`thinwire.plan.report`
 renders a plan as a table or JSON.
 """
 
+from thinwire.plan.breakeven import BreakEven, break_even_bandwidth, plan
 from thinwire.plan.cost import (
-    ALLGATHER,
-    ALLREDUCE,
-    ALLTOALL,
-    DIRECT,
-    BreakEven,
     BucketCost,
-    Collective,
     ComputeTime,
-    Link,
     MethodCost,
     StepPrediction,
-    break_even_bandwidth,
-    broadcast_time,
-    collective_time,
-    plan,
     predict_step,
     step_time,
-    wire_bytes,
 )
 from thinwire.plan.methods import (
     BUILTIN_METHODS,
@@ -39,6 +29,17 @@ from thinwire.plan.methods import (
     method_kind,
     method_names,
     method_options,
+)
+from thinwire.plan.network import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    DIRECT,
+    Collective,
+    Link,
+    broadcast_time,
+    collective_time,
+    wire_bytes,
 )
 from thinwire.plan.profile import (
     ComputeProfile,

@@ -1,30 +1,12 @@
-"""The cost model of one data-parallel step: alpha-beta collectives and a bucket timeline.
+"""The cost model of one data-parallel step: a bucket timeline over alpha-beta collectives.
 
 Pure functions over numbers (no torch, no ``torch.distributed``): what a step sends is
 described by :class:`MethodCost` (per gradient bucket: when it is ready, how long its
 compression takes, which collectives it issues and how many bytes each carries), what it
-computes by :class:`ComputeTime`, the network by :class:`Link`.
-
-**Collectives (alpha-beta, ring algorithms as gloo and NCCL run them).** With N ranks, a
-message of ``S`` bytes per rank, bandwidth ``B`` and a per-step latency ``alpha``::
-
-    all-reduce  (reduce-scatter + all-gather):  2 (N-1) alpha  +  2 (N-1)/N * S * o / B
-    all-gather:                                   (N-1) alpha  +    (N-1)   * S * o / B
-    direct (all-to-all of each rank's payload):         alpha  +    (N-1)   * S * o / B
-    all-to-all (S in all, a part for each peer):        alpha  +              S * o / B
-    broadcast from rank 0 (gloo):                       alpha  +    (N-1)   * S * o / B
-
-``o`` is the TCP/IPv4 header overhead: every ``mtu``-byte packet carries ``mtu - 52``
-payload bytes (20 IP + 20 TCP + 12 timestamp option), as ``tc`` and the emulated cluster
-count bytes. The all-reduce's bandwidth term is nearly independent of N; the all-gather's
-grows linearly with N (every rank receives every other rank's payload).
-
-One ring step's latency is ``alpha = 2 L + mtu * 8 / B`` for one-way latency ``L``: gloo's
-TCP transport sends a buffer only after the receiver has announced the matching receive
-(a round trip, not one way), and the switch stores and forwards each packet (one more
-packet of serialisation per step). Measured on the emulated 4-host cluster (10 and 100
-Mbit/s, 1 and 5 ms, 1 kB to 1 MB) this form is within about 10 % of gloo's all-reduce and
-all-gather; the textbook ``alpha = L`` is ``Link(..., step_delays=1, store_and_forward=False)``.
+computes by :class:`ComputeTime`, the network by :class:`Link` (:mod:`thinwire.plan.network`
+holds it and the alpha-beta time of each collective). :func:`step_time` and
+:func:`predict_step` give one step under a method's schedule; :mod:`thinwire.plan.breakeven`
+compares methods across bandwidths with them.
 
 **Step timeline (overlap assumption).** One CPU core per worker; the network is a second,
 independent resource::
@@ -66,133 +48,17 @@ bucket is ready at the end of the backward pass. Scaling efficiency is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-#: bytes of headers in every TCP/IPv4 packet: 20 IP + 20 TCP + 12 (timestamp option)
-TCP_IP_HEADER_BYTES = 52
-#: a standard Ethernet MTU; the emulated cluster raises it with the rate (see Link.mtu)
-ETHERNET_MTU = 1500
-#: one-way latencies per ring step: gloo waits for the receiver's "ready" message first
-GLOO_STEP_DELAYS = 2.0
-
-ALLREDUCE = "allreduce"
-ALLGATHER = "allgather"
-DIRECT = "direct"
-ALLTOALL = "alltoall"  #: ``all_to_all_single``: ``nbytes`` is what a rank sends to all peers
-KINDS = (ALLREDUCE, ALLGATHER, DIRECT, ALLTOALL)
-
-#: the bandwidth range (bits/s) that :func:`break_even_bandwidth` searches
-BREAK_EVEN_RANGE = (1e3, 1e12)
-
-
-@dataclass(frozen=True)
-class Link:
-    """A worker's network link and how a ring step uses it.
-
-    Options:
-        bandwidth_bps: bits per second in each direction (full duplex).
-        latency_s: one-way latency between two workers.
-        mtu: IP packet size in bytes (the emulated cluster's ``EmulatedCluster.mtu``).
-        header_bytes: TCP/IP headers per packet (0: count payload only).
-        step_delays: one-way latencies per ring step (gloo: 2, see the module docstring).
-        store_and_forward: add one packet's serialisation per step (a switch in between).
-    """
-
-    bandwidth_bps: float
-    latency_s: float = 0.0
-    mtu: int = ETHERNET_MTU
-    header_bytes: int = TCP_IP_HEADER_BYTES
-    step_delays: float = GLOO_STEP_DELAYS
-    store_and_forward: bool = True
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.bandwidth_bps, (int, float)) and self.bandwidth_bps > 0):
-            raise ValueError(f"bandwidth must be > 0 bits/s, got {self.bandwidth_bps!r}")
-        if not math.isfinite(self.bandwidth_bps):
-            raise ValueError(f"bandwidth must be finite, got {self.bandwidth_bps!r}")
-        if not (isinstance(self.latency_s, (int, float)) and 0 <= self.latency_s < math.inf):
-            raise ValueError(f"latency must be >= 0 s and finite, got {self.latency_s!r}")
-        if self.header_bytes < 0 or self.mtu <= self.header_bytes:
-            raise ValueError(
-                f"mtu must exceed header_bytes >= 0, got mtu={self.mtu}, "
-                f"header_bytes={self.header_bytes}"
-            )
-        if not self.step_delays >= 0:
-            raise ValueError(f"step_delays must be >= 0, got {self.step_delays!r}")
-
-    @property
-    def step_latency_s(self) -> float:
-        """Alpha: the latency of one ring step, ``step_delays * L`` (+ one packet's
-        serialisation if ``store_and_forward``)."""
-        forward = self.mtu * 8.0 / self.bandwidth_bps if self.store_and_forward else 0.0
-        return self.step_delays * self.latency_s + forward
-
-    @property
-    def overhead(self) -> float:
-        """Bytes on the wire per payload byte: ``mtu / (mtu - header_bytes)``."""
-        return self.mtu / (self.mtu - self.header_bytes)
-
-    def seconds_per_byte(self) -> float:
-        """Time to push one payload byte through the link (beta)."""
-        return 8.0 * self.overhead / self.bandwidth_bps
-
-    def with_bandwidth(self, bandwidth_bps: float) -> Link:
-        """The same link at another bandwidth."""
-        return replace(self, bandwidth_bps=bandwidth_bps)
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a rank issues: ``kind`` (``"allreduce"``, ``"allgather"`` or
-    ``"direct"``) over ``nbytes`` bytes of its own payload."""
-
-    kind: str
-    nbytes: int
-
-    def __post_init__(self) -> None:
-        _check_kind(self.kind)
-        if self.nbytes < 0:
-            raise ValueError(f"a collective cannot carry {self.nbytes} bytes")
-
-
-def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> float:
-    """Seconds one collective of ``nbytes`` per rank takes over ``world_size`` ranks.
-
-    All-reduce: ``2(N-1)`` ring steps and ``2(N-1)/N * nbytes`` per rank on the wire;
-    all-gather: ``N-1`` ring steps and ``(N-1) * nbytes``; direct: one step and
-    ``(N-1) * nbytes``; all-to-all: one step and ``nbytes`` (split among the peers); each
-    step costs ``link.step_latency_s``. One rank (or nothing to send) costs nothing.
-    """
-    _check_kind(kind)
-    _check_world(world_size)
-    if nbytes < 0:
-        raise ValueError(f"a collective cannot carry {nbytes} bytes")
-    if world_size == 1 or nbytes == 0:
-        return 0.0
-    steps = {ALLREDUCE: 2 * (world_size - 1), ALLGATHER: world_size - 1}.get(kind, 1)
-    volume = wire_bytes(kind, nbytes, world_size)
-    return steps * link.step_latency_s + volume * link.seconds_per_byte()
-
-
-def broadcast_time(nbytes: float, world_size: int, link: Link) -> float:
-    """Seconds a broadcast of ``nbytes`` from one rank to the ``world_size - 1`` others
-    takes as gloo does it: the root sends every copy over its own link, so it costs what a
-    ``direct`` round of the same payload costs (one step latency, ``N - 1`` copies)."""
-    if nbytes < 0:
-        raise ValueError(f"a broadcast cannot carry {nbytes} bytes")
-    return collective_time(DIRECT, nbytes, world_size, link)
-
-
-def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
-    """Payload bytes one rank sends (and receives) in a collective of ``nbytes``."""
-    _check_kind(kind)
-    _check_world(world_size)
-    if kind == ALLREDUCE:
-        return 2 * (world_size - 1) * nbytes / world_size
-    if kind == ALLTOALL:
-        return nbytes
-    return (world_size - 1) * nbytes
+from thinwire.plan.network import (
+    Collective,
+    Link,
+    broadcast_time,
+    check_world,
+    collective_time,
+    wire_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -376,7 +242,7 @@ def step_time(
 ) -> float:
     """Seconds of one step under the timeline of the module docstring, or of the
     method's own schedule (:func:`delayed_step_time`, :func:`server_step_time`)."""
-    _check_world(world_size)
+    check_world(world_size)
     if cost.schedule == "dga":
         return delayed_step_time(compute, cost, link, world_size)
     if cost.schedule in ("ps-sync", "ps-async"):
@@ -471,156 +337,6 @@ def predict_step(
     )
 
 
-@dataclass(frozen=True)
-class BreakEven:
-    """Where a method stops beating the dense reference as bandwidth grows.
-
-    ``verdict``: ``"below"`` (faster than dense below ``bandwidth_bps``, not above it),
-    ``"always"`` (faster everywhere in the searched range), ``"never"`` (never faster).
-    """
-
-    verdict: str
-    bandwidth_bps: float | None = None
-
-    def describe(self) -> str:
-        """A short human-readable form: ``"< 123 Mbit/s"``, ``"always"``, ``"never"``."""
-        if self.verdict == "below":
-            assert self.bandwidth_bps is not None
-            return f"< {format_rate(self.bandwidth_bps)}"
-        return self.verdict
-
-    def as_dict(self) -> dict[str, object]:
-        """A flat dict for JSON."""
-        return {"verdict": self.verdict, "bandwidth_bps": self.bandwidth_bps}
-
-
-def break_even_bandwidth(
-    compute: ComputeTime,
-    cost: MethodCost,
-    reference: MethodCost,
-    latency_s: float,
-    world_size: int,
-    *,
-    link: Link | None = None,
-    overlap: bool = True,
-    search: tuple[float, float] = BREAK_EVEN_RANGE,
-) -> BreakEven:
-    """The bandwidth above which ``cost`` no longer beats ``reference`` (normally dense).
-
-    Scans ``search`` (bits/s) on a log grid for the highest bandwidth at which the method's
-    predicted step is strictly shorter, then bisects the crossing to 0.1 %. ``link`` gives
-    the MTU and headers (its bandwidth is ignored); default: Ethernet MTU.
-    """
-    low, high = search
-    if not 0 < low < high:
-        raise ValueError(f"search range must satisfy 0 < low < high, got {search}")
-    base = link if link is not None else Link(high, latency_s)
-    base = replace(base, latency_s=latency_s)
-
-    def gain(bandwidth: float) -> float:
-        at = base.with_bandwidth(bandwidth)
-        ours = step_time(compute, cost, at, world_size, overlap=overlap)
-        theirs = step_time(compute, reference, at, world_size, overlap=overlap)
-        return theirs - ours  # > 0: the method is faster
-
-    tolerance = 1e-12
-    grid = [low * (high / low) ** (i / 240) for i in range(241)]
-    wins = [gain(b) > tolerance * max(1.0, compute.total) for b in grid]
-    if not any(wins):
-        return BreakEven("never")
-    if wins[-1]:
-        return BreakEven("always")
-    last = max(i for i, win in enumerate(wins) if win)
-    return BreakEven("below", _bisect(gain, grid[last], grid[last + 1], tolerance))
-
-
-def _bisect(gain: Callable[[float], float], winning: float, losing: float, eps: float) -> float:
-    """Bisect (in log space) the bandwidth between ``winning`` and ``losing`` to 0.1 %."""
-    while losing / winning > 1.001:
-        middle = math.sqrt(winning * losing)
-        if gain(middle) > eps:
-            winning = middle
-        else:
-            losing = middle
-    return math.sqrt(winning * losing)
-
-
-def format_rate(bits_per_second: float) -> str:
-    """``1.5e8`` -> ``"150 Mbit/s"``."""
-    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits_per_second >= scale:
-            return f"{bits_per_second / scale:.3g} {unit}"
-    return f"{bits_per_second:.3g} bit/s"
-
-
-def format_bytes(nbytes: float) -> str:
-    """``2.5e6`` -> ``"2.5 MB"`` (decimal units, as bandwidths are)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def plan(
-    compute: ComputeTime,
-    costs: Mapping[str, MethodCost],
-    link: Link,
-    world_size: int,
-    *,
-    reference: str = "dense",
-    overlap: bool = True,
-) -> list[tuple[StepPrediction, BreakEven | None]]:
-    """Predict every method in ``costs`` and, for those that communicate, the bandwidth at
-    which it stops beating ``costs[reference]`` (``None`` for the reference itself and for
-    methods without communication, or when there is no reference)."""
-    rows = []
-    ref = costs.get(reference)
-    for name, cost in costs.items():
-        prediction = predict_step(compute, cost, link, world_size, overlap=overlap)
-        verdict = None
-        if ref is not None and name != reference and cost.buckets:
-            verdict = break_even_bandwidth(
-                compute, cost, ref, link.latency_s, world_size, link=link, overlap=overlap
-            )
-        rows.append((prediction, verdict))
-    return rows
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; choose one of: {', '.join(KINDS)}")
-
-
-def _check_world(world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
-
-
 def _check_factor(factor: float) -> None:
     if not (factor > 0 and math.isfinite(factor)):
         raise ValueError(f"scale factor must be a finite number > 0, got {factor!r}")
-
-
-__all__ = [
-    "ALLGATHER",
-    "ALLREDUCE",
-    "DIRECT",
-    "ETHERNET_MTU",
-    "GLOO_STEP_DELAYS",
-    "TCP_IP_HEADER_BYTES",
-    "BreakEven",
-    "BucketCost",
-    "Collective",
-    "ComputeTime",
-    "Link",
-    "MethodCost",
-    "StepPrediction",
-    "break_even_bandwidth",
-    "collective_time",
-    "format_bytes",
-    "format_rate",
-    "plan",
-    "predict_step",
-    "step_time",
-    "wire_bytes",
-]

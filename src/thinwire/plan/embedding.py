@@ -6,7 +6,7 @@ rows a batch looks up. So the ids are measured, as every rank would look them up
 batches, with a hook on each ``nn.Embedding``. With ``u`` distinct ids on a rank, ``p`` of
 them owned by one given other rank (row ``r`` lives on rank ``r % W``), ``D`` the row
 width, fp32 rows and int64 ids, per table and step (``alltoall(S)``: one latency, ``S``
-bytes from a rank to all its peers together; see :mod:`thinwire.plan.cost`)::
+bytes from a rank to all its peers together; see :mod:`thinwire.plan.network`)::
 
     emb-sharded    routing   counts: alltoall(8 (N-1))   ids: alltoall(8 p (N-1))
                                                          (prefetched: off the path)
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from thinwire.plan.cost import ALLGATHER, ALLTOALL, Collective
+from thinwire.plan.network import ALLGATHER, ALLTOALL, Collective
 
 ID_BYTES = 8  #: int64 ids
 ROW_ELEMENT_BYTES = 4  #: fp32 rows and row gradients
@@ -59,7 +59,7 @@ def measure_lookups(
     ``nn.Embedding``, the ids each rank looks up at each step (no gradients, no training).
     Tables that the embedding methods refuse (tied weights, ``padding_idx``, ...) are
     refused here too, with the same reason; a table must be looked up once per forward."""
-    from thinwire.sparse.convert import _check_convertible
+    from thinwire.data_parallel.sparse.convert import check_convertible
 
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
@@ -75,7 +75,7 @@ def measure_lookups(
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
     for name, table in tables.items():
-        _check_convertible(name, table, owners.get(id(table.weight), []))
+        check_convertible(name, table, owners.get(id(table.weight), []))
     seen: dict[str, list[Tensor]] = {name: [] for name in tables}
     handles = [
         module.register_forward_pre_hook(

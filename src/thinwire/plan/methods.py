@@ -11,7 +11,7 @@ A *method* is one way of exchanging gradients in a data-parallel step:
 ``ps-sync``        ``thinwire.ParameterServer``, synchronous (``servers``, ``compressor``)
 ``ps-async``       ``thinwire.ParameterServer``, asynchronous (``servers``, ``staleness``, ...)
 ``emb-allgather``  embeddings replicated, their gradients all-gathered as (ids, rows); DDP
-``emb-sharded``    embeddings sharded over the ranks (``thinwire.sparse``); DDP for the rest
+``emb-sharded``    embeddings sharded over the ranks (``data_parallel.sparse``); DDP for the rest
 any compressor     DDP with ``thinwire.register(ddp_model, name, **options)``
 =================  ==========================================================================
 
@@ -52,8 +52,8 @@ class Kind(enum.Enum):
     DGA = "dga"  #: thinwire.DelayedAveraging
     PS_SYNC = "ps-sync"  #: thinwire.ParameterServer(mode="sync")
     PS_ASYNC = "ps-async"  #: thinwire.ParameterServer(mode="async")
-    EMB_ALLGATHER = "emb-allgather"  #: thinwire.sparse.AllGatherEmbedding + DDP
-    EMB_SHARDED = "emb-sharded"  #: thinwire.sparse.ShardedEmbedding + DDP
+    EMB_ALLGATHER = "emb-allgather"  #: thinwire.data_parallel.sparse.AllGatherEmbedding + DDP
+    EMB_SHARDED = "emb-sharded"  #: thinwire.data_parallel.sparse.ShardedEmbedding + DDP
 
 
 #: the kinds that send a thinwire compressor's payloads without DDP

@@ -14,16 +14,11 @@ from typing import Any
 
 from rich.table import Table
 
-from thinwire.comm.buckets import BucketSpec, check_bucket_spec
-from thinwire.plan.cost import (
-    BreakEven,
-    Link,
-    StepPrediction,
-    format_bytes,
-    format_rate,
-    plan,
-)
+from thinwire.data_parallel.buckets import BucketSpec, check_bucket_spec
+from thinwire.plan.breakeven import BreakEven, plan
+from thinwire.plan.cost import StepPrediction
 from thinwire.plan.methods import DEFAULT_PLAN_METHODS, check_servers, method_options
+from thinwire.plan.network import Link, format_bytes, format_rate
 
 #: the method that break-even bandwidths are measured against
 REFERENCE = "dense"
@@ -65,7 +60,7 @@ def parse_request(
     methods under DDP are modelled with. ``task_options``: JSON of the task's options, e.g.
     ``{"batch_size": 80}``.
     """
-    from thinwire.cluster.emulated import parse_duration, parse_rate
+    from thinwire.cluster.units import parse_duration, parse_rate
 
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")

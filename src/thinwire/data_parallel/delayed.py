@@ -13,14 +13,18 @@ between ranks by their last ``delay`` local gradients, training sees gradients a
 ``delay`` steps late, and each rank keeps ``delay`` fp32 copies of the gradients. Errors of
 an exchange (a dead peer, a non-finite gradient) surface when it is waited for: up to
 ``delay`` steps later, or in :meth:`DelayedAveraging.flush`.
+
+This module holds :class:`DelayedAveraging`; its parts live beside it: the closed-form SGD
+correction in :mod:`~thinwire.data_parallel.delayed_correction`, the lanes and pending
+steps in :mod:`~thinwire.data_parallel.delayed_lanes`, the agreement and finiteness checks
+in :mod:`~thinwire.data_parallel.delayed_checks`, and the consensus replay for other
+optimizers in :mod:`~thinwire.data_parallel.replay`.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,34 +32,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import Communicator, sibling_group, value_ranges
-from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, _digest, gradient_of
-from thinwire.comm.optimizer import DistributedOptimizer
-from thinwire.compress.base import Compressor, FiniteChecks, Memory, is_integer
-from thinwire.compress.feedback import NoMemory
-from thinwire.dp.replay import (
+from thinwire.comm.collectives import Communicator
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
+from thinwire.compress.base import Compressor, Memory, is_integer
+from thinwire.data_parallel.delayed_checks import agree_on_settings, refuse_non_finite
+from thinwire.data_parallel.delayed_correction import (
+    closed_form,
+    correction_coefficients,
+    exact_momentum,
+)
+from thinwire.data_parallel.delayed_lanes import Pending, extra_lanes, wait_exchange
+from thinwire.data_parallel.optimizer import DistributedOptimizer
+from thinwire.data_parallel.replay import (
     ConsensusReplay,
-    Hyper,
     group_sizes,
     hyperparameters,
     refuse_changed_groups,
 )
-from thinwire.errors import NonFiniteGradientError, RankMismatchError
-
-
-@dataclass
-class _Pending:
-    """One step whose correction is not applied yet: per bucket, the buffers that hold this
-    rank's gradients and, once the future resolves, ``avg - own``; the learning rate and
-    weight decay and momentum of every parameter group when the local step was taken."""
-
-    deltas: list[list[Tensor]]
-    futures: list[torch.futures.Future]
-    rates: list[tuple[float, float, float]]
-    step: int = 0
-    #: replay only: this rank's gradients (by parameter id) and the groups' settings
-    own: dict[int, Tensor] | None = None
-    hyper: Hyper | None = None
 
 
 class DelayedAveraging:
@@ -93,7 +86,7 @@ class DelayedAveraging:
     no closed-form correction: their step is not linear in the gradient. For them each rank
     keeps the consensus, a second instance of the optimizer over copies of the weights
     that steps on the averaged gradients only, and rebuilds its own weights every step as
-    the consensus plus its last D local steps replayed (:mod:`thinwire.dp.replay`). After
+    the consensus plus its last D local steps replayed (:mod:`thinwire.data_parallel.replay`). After
     :meth:`flush` every rank holds the consensus: the same weights and optimizer state.
     This costs a copy of the weights and of the optimizer state, one of each pending
     step's gradients, and D + 1 optimizer steps per training step; and the weights are
@@ -166,17 +159,17 @@ class DelayedAveraging:
             **options,
         )
         self._delay = delay
-        _agree_on_settings(self.engine, delay, lanes, optimizer)
-        self._lanes = [self.engine, *self._extra_lanes(lanes, group)]
+        agree_on_settings(self.engine, delay, lanes, optimizer)
+        self._lanes = [self.engine, *extra_lanes(self.engine, lanes, group)]
         self._started = 0  # steps whose exchange has been started
         #: per group, (learning rate, weight decay, momentum) of the last D + 1 local steps
         self._rate_history: collections.deque[list[tuple[float, float, float]]] = collections.deque(
             maxlen=delay + 1
         )
-        self._momenta = [_exact_momentum(optimizer, group) for group in optimizer.param_groups]
-        closed_form = all(_closed_form(optimizer, group) for group in optimizer.param_groups)
+        self._momenta = [exact_momentum(optimizer, group) for group in optimizer.param_groups]
+        in_closed_form = all(closed_form(optimizer, group) for group in optimizer.param_groups)
         #: the consensus of optimizers without a closed-form correction (Adam, ...)
-        self._replay = ConsensusReplay(optimizer) if delay > 0 and not closed_form else None
+        self._replay = ConsensusReplay(optimizer) if delay > 0 and not in_closed_form else None
         self._group_sizes = group_sizes(optimizer)
         self._group_of = {
             id(p): index
@@ -186,33 +179,7 @@ class DelayedAveraging:
         # DGC's memory reads the weights (weight decay) on the exchange thread, while
         # the local step writes them: give it a copy taken before the step.
         self._snapshot_params = bool(getattr(self.engine.memory, "weight_decay", 0))
-        self._pending: collections.deque[_Pending] = collections.deque()
-
-    def _extra_lanes(self, lanes: int, group: dist.ProcessGroup | None) -> list[GradientExchange]:
-        """Engines 1 .. lanes-1, each on a new process group over the same ranks."""
-        if lanes == 1:
-            return []
-        engine = self.engine
-        if not engine.compressor.stateless or not isinstance(engine.memory, NoMemory):
-            raise ValueError(
-                f"lanes={lanes} runs several steps' exchanges at once, but compressor "
-                f"{engine.compressor.name!r} with {type(engine.memory).__name__} carries state "
-                "from one step to the next (error feedback, warm starts, random streams), so "
-                "its steps must run in order: use lanes=1, or a stateless compressor "
-                "(none, fp16, bf16)"
-            )
-        extra = []
-        for _ in range(lanes - 1):
-            lane_group = sibling_group(group)
-            extra.append(
-                GradientExchange(
-                    copy.deepcopy(engine.compressor),
-                    communicator=engine.communicator.name,
-                    memory=NoMemory(),
-                    group=lane_group,
-                )
-            )
-        return extra
+        self._pending: collections.deque[Pending] = collections.deque()
 
     # -- what the wrapper exposes -------------------------------------------------------
 
@@ -272,7 +239,7 @@ class DelayedAveraging:
             return loss
         refuse_changed_groups(self.optimizer, self._group_sizes)
         self._pending.append(self._start_exchange())
-        self._refuse_non_finite(self._pending[-1])
+        refuse_non_finite(self.buckets, self._pending[-1].step, self.engine.rank)
         self.optimizer.step()
         self._rate_history.append(self._pending[-1].rates)
         while len(self._pending) > self._delay:
@@ -287,7 +254,7 @@ class DelayedAveraging:
         if not self._pending:  # the weights are agreed (start, flush, a loaded checkpoint)
             replay.adopt_live()
         self._pending.append(self._start_exchange())
-        self._refuse_non_finite(self._pending[-1])
+        refuse_non_finite(self.buckets, self._pending[-1].step, self.engine.rank)
         if len(self._pending) <= self._delay:
             self.optimizer.step()
             return
@@ -301,28 +268,7 @@ class DelayedAveraging:
             oldest = self._pending.popleft()
             replay.advance(self._averages(oldest), oldest.hyper or [])
 
-    def _refuse_non_finite(self, pending: _Pending) -> None:
-        """Raise before the local step if this rank's gradient has NaN or Inf (the engine's
-        check, of the live gradients: the exchange thread owns the copies): it is not
-        applied here, and the exchange already started fails on every rank when its
-        correction is due."""
-        grads = [(name, p.grad) for bucket in self.buckets for name, p in bucket]
-        grads = [(name, g) for name, g in grads if g is not None]
-        checks = FiniteChecks()
-        for i, (_, grad) in enumerate(grads):
-            checks.add(i, grad)
-        bad = [grads[i][0] for i in checks.failed()]
-        if not bad:
-            return
-        raise NonFiniteGradientError(
-            f"non-finite gradient (NaN or Inf) at step {pending.step}, on this rank "
-            f"({self.engine.rank}) in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
-            "DelayedAveraging did not apply it on this rank, and every rank's correction of "
-            "that step will fail. Lower the learning rate, clip gradients, or check the loss "
-            "and the input data for NaN/Inf."
-        )
-
-    def _averages(self, pending: _Pending) -> dict[int, Tensor]:
+    def _averages(self, pending: Pending) -> dict[int, Tensor]:
         """Wait for one step's exchange: its averaged gradients by parameter id; a
         parameter that is not averaged (the optimizer has it, ``model`` does not) keeps
         this rank's own gradient, as in ``DistributedOptimizer``."""
@@ -330,7 +276,7 @@ class DelayedAveraging:
         for bucket, means, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
-            _wait(future)  # raises the exchange's error (CommunicationError, ...) here
+            wait_exchange(future)  # raises the exchange's error (CommunicationError, ...) here
             for (_, p), mean in zip(bucket, means, strict=True):
                 averages[id(p)] = mean
         return averages
@@ -357,7 +303,7 @@ class DelayedAveraging:
         """How many exchanges may be in flight at once."""
         return len(self._lanes)
 
-    def _start_exchange(self) -> _Pending:
+    def _start_exchange(self) -> Pending:
         """Copy this rank's gradients (fp32) and queue their exchange, all buckets in one
         job on the lane's exchange thread. Parameters without a gradient get zeros, as in
         ``DistributedOptimizer``, so every rank issues the same collectives and steps the
@@ -378,7 +324,7 @@ class DelayedAveraging:
         engine.submit(partial(self._exchange, engine, buckets, futures))
         self._started += 1
         deltas = [[item.grad for item in items] for items in buckets]
-        pending = _Pending(deltas, futures, rates, step=self._started - 1)
+        pending = Pending(deltas, futures, rates, step=self._started - 1)
         if self._replay is not None:
             pending.own = {
                 id(p): p.grad.detach().clone() for p in self._replay.live if p.grad is not None
@@ -429,7 +375,7 @@ class DelayedAveraging:
         which the closed-form correction cannot follow."""
         rates = []
         for index, param_group in enumerate(self.optimizer.param_groups):
-            momentum = _exact_momentum(self.optimizer, param_group)
+            momentum = exact_momentum(self.optimizer, param_group)
             if bool(momentum) != bool(self._momenta[index]):
                 raise ValueError(
                     f"DelayedAveraging: parameter group {index}'s momentum is {momentum:g} now "
@@ -446,7 +392,7 @@ class DelayedAveraging:
             )
         return rates
 
-    def _correct(self, pending: _Pending) -> None:
+    def _correct(self, pending: Pending) -> None:
         """Wait for one step's exchange and apply ``delta = avg - own`` as if step t had
         used the average: after the local steps t .. t+j, with each group's momentum and
         the rates those steps used (:func:`correction_coefficients`)::
@@ -464,7 +410,7 @@ class DelayedAveraging:
         for bucket, deltas, future in zip(
             self.buckets, pending.deltas, pending.futures, strict=True
         ):
-            _wait(future)  # raises the exchange's error (CommunicationError, ...) here
+            wait_exchange(future)  # raises the exchange's error (CommunicationError, ...) here
             with torch.no_grad():
                 for (_, p), delta in zip(bucket, deltas, strict=True):
                     index = self._group_of.get(id(p))
@@ -497,91 +443,3 @@ class DelayedAveraging:
                 f"pending (delay={self._delay}): the weights are not yet the agreed ones. "
                 "Call flush() first (on every rank), then save or load model and optimizer."
             )
-
-
-def _wait(future: torch.futures.Future) -> None:
-    """Wait for one exchange; a non-finite average says what it means under a delay."""
-    try:
-        future.wait()
-    except NonFiniteGradientError as error:
-        raise NonFiniteGradientError(
-            f"{error} Under DelayedAveraging every rank has taken its own steps since that "
-            "step, so the ranks' weights no longer agree: restore every rank from the last "
-            "checkpoint (saved after flush())."
-        ) from error
-
-
-def correction_coefficients(rates: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """How far a gradient change ``delta`` at the first of these SGD steps moves the weights
-    and the momentum buffer by the end of the last: ``(a, b)`` with ``w += a * delta`` and
-    ``buf += b * delta``. ``rates`` holds each step's (learning rate, weight decay,
-    momentum); the momentum may change from step to step, as under OneCycleLR.
-
-    SGD (heavy ball, no dampening) steps ``buf_s = m_s buf_{s-1} + g_s + wd_s w_s`` and
-    ``w_{s+1} = w_s - lr_s buf_s``, affine in ``(w, buf, g)`` with the same coefficients for
-    every entry, so the change propagates as two scalars: at step t ``dbuf = 1`` and
-    ``dw = -lr_t``; at each later step ``dbuf = m dbuf + wd dw``, then ``dw -= lr dbuf``.
-    Without weight decay and with a constant momentum ``a = -sum_k lr_{t+k} m^k`` and
-    ``b = m^j``.
-    """
-    moved, carried = 0.0, 0.0
-    for index, (lr, weight_decay, momentum) in enumerate(rates):
-        carried = 1.0 if index == 0 else momentum * carried + weight_decay * moved
-        moved -= lr * carried
-    return moved, carried
-
-
-def _closed_form(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s step is linear in the gradient, so a late average can be
-    corrected in closed form: SGD, plain or with heavy-ball momentum."""
-    return isinstance(optimizer, torch.optim.SGD) and not (
-        group.get("nesterov", False) or group.get("dampening", 0.0) or group.get("maximize", False)
-    )
-
-
-def _exact_momentum(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> float:
-    """The momentum the correction carries into ``group``'s buffers: SGD's heavy-ball
-    momentum (no dampening, no Nesterov); 0 for anything else (corrected as plain SGD)."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return 0.0
-    momentum = float(group.get("momentum", 0.0))
-    if momentum and not group.get("nesterov", False) and not group.get("dampening", 0.0):
-        return momentum
-    return 0.0
-
-
-def _agree_on_settings(
-    engine: GradientExchange, delay: int, lanes: int, optimizer: torch.optim.Optimizer
-) -> None:
-    """Check that every rank uses the same delay, lanes and optimizer (class and every
-    group's settings), in one all-reduce (:func:`value_ranges`); all ranks raise
-    :class:`RankMismatchError` naming what differs. Collective: every rank calls it."""
-    settings = repr(
-        [type(optimizer).__name__]
-        + [
-            sorted((k, repr(v)) for k, v in g.items() if k != "params")
-            for g in optimizer.param_groups
-        ]
-    )
-    (delays, lane_counts, digests) = value_ranges(
-        [delay, lanes, _digest(settings)], engine.communicator.group
-    )
-    problems = [
-        f"this rank has {name}={value}, the ranks' range from {lowest} to {highest}"
-        for name, value, (lowest, highest) in (
-            ("delay", delay, delays),
-            ("lanes", lanes, lane_counts),
-        )
-        if lowest != highest
-    ]
-    if digests[0] != digests[1]:
-        problems.append(
-            f"the ranks' optimizers differ in class or settings (this rank: "
-            f"{type(optimizer).__name__}, {len(optimizer.param_groups)} group(s))"
-        )
-    if problems:
-        raise RankMismatchError(
-            f"ranks disagree (seen from rank {engine.rank}): {'; '.join(problems)}. Every "
-            "rank must construct DelayedAveraging with the same delay and lanes, over the "
-            "same optimizer with the same settings."
-        )

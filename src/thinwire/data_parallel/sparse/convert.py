@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.collectives import run_collective
-from thinwire.sparse.allgather import AllGatherEmbedding
-from thinwire.sparse.embedding import ShardedEmbedding
+from thinwire.data_parallel.sparse.allgather import AllGatherEmbedding
+from thinwire.data_parallel.sparse.embedding import ShardedEmbedding
 
 SparseTable = ShardedEmbedding | AllGatherEmbedding
 
@@ -118,7 +118,7 @@ def _replace(
         names_of.setdefault(id(param), []).append(name)
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     for name, module in embeddings:  # check them all before changing anything
-        _check_convertible(name, module, names_of.get(id(module.weight), []))
+        check_convertible(name, module, names_of.get(id(module.weight), []))
     replaced = []
     for name, module in embeddings:
         table = module.weight.detach().clone()
@@ -139,7 +139,9 @@ def _replace(
     return replaced
 
 
-def _check_convertible(name: str, module: nn.Embedding, shared: list[str]) -> None:
+def check_convertible(name: str, module: nn.Embedding, shared: list[str]) -> None:
+    """Refuse, saying what to do, an embedding that cannot be sharded: one tied to other
+    weights (``shared`` names them) or built with options a shard cannot honour."""
     if len(shared) > 1:
         raise ValueError(
             f"embedding {name!r} shares its weight with {', '.join(shared[1:])} (a tied "

@@ -23,25 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.comm.collectives import (
-    Communicator,
-    RoundResult,
-    Traffic,
-    _reduce_locally,
-    _split_bytes,
-)
+from thinwire.comm.collectives import Communicator, RoundResult, Traffic, reduce_locally
+from thinwire.comm.framing import frame, framed_size, unframe
 from thinwire.compress.base import Op, Request
-from thinwire.ps.channels import Channel, Pending, as_bytes
+from thinwire.data_parallel.parameter_server.channels import Channel, Pending
 
 
-def _message(requests: Sequence[Request], poison: bool) -> Tensor:
-    tensors = [t for request in requests for t in request.tensors]
-    flag = torch.tensor([int(poison)], dtype=torch.uint8)
-    return torch.cat([as_bytes(t) for t in tensors] + [flag])
-
-
-def _nbytes(requests: Sequence[Request]) -> int:
-    return sum(t.numel() * t.element_size() for r in requests for t in r.tensors) + 1
+def _tensors(requests: Sequence[Request]) -> list[Tensor]:
+    return [t for request in requests for t in request.tensors]
 
 
 def _regroup(requests: Sequence[Request], tensors: list[Tensor]) -> list[list[Tensor]]:
@@ -65,16 +54,13 @@ class ServerLink(Communicator):
     checks_start = False  # no group of peers: the server has its own resume protocol
 
     def __init__(self, channel: Channel, world_size: int, rank: int, replies: bool) -> None:
-        self.group = None
-        self.world_size = world_size
-        self.rank = rank
-        self.timeout = None
+        super().__init__(world_size=world_size, rank=rank)
         self.channel = channel
         self.replies = replies
         self.sends: list[tuple[Pending, Tensor]] = []
 
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
-        message = _message(requests, poison)
+        message = frame(_tensors(requests), poison)
         self.sends.append((self.channel.send(message), message))
         traffic = Traffic(payload=message.numel(), sent=message.numel(), collectives=1)
         if not self.replies:
@@ -82,12 +68,12 @@ class ServerLink(Communicator):
             return RoundResult(echo, False, traffic)
         if any(r.op is Op.GATHER for r in requests):
             raise NotImplementedError("a multi-round protocol that gathers is not supported")
-        answer = torch.empty(_nbytes(requests), dtype=torch.uint8)
+        tensors = _tensors(requests)
+        answer = torch.empty(framed_size(tensors), dtype=torch.uint8)
         self.channel.recv(answer).wait()
         traffic.received += answer.numel()
-        tensors = [t for r in requests for t in r.tensors]
-        decoded = _split_bytes(answer[:-1], tensors)
-        return RoundResult(_regroup(requests, decoded), bool(answer[-1]), traffic)
+        decoded, poisoned = unframe(answer, tensors)
+        return RoundResult(_regroup(requests, decoded), poisoned, traffic)
 
     def finish_sends(self) -> None:
         """Wait for every message this link started sending."""
@@ -108,35 +94,31 @@ class WorkerFanIn(Communicator):
     checks_start = False  # no group of peers: the server has its own resume protocol
 
     def __init__(self, channels: Sequence[Channel], world_size: int, replies: bool) -> None:
-        self.group = None
-        self.world_size = world_size
-        self.rank = -1
-        self.timeout = None
+        super().__init__(world_size=world_size, rank=-1)  # the server is no worker
         self.channels = list(channels)
         self.active: list[int] = list(range(len(self.channels)))
         self.replies = replies
 
     def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
-        size = _nbytes(requests)
+        tensors = _tensors(requests)
+        size = framed_size(tensors)
         buffers = [torch.empty(size, dtype=torch.uint8) for _ in self.active]
         receiving = [self.channels[w].recv(b) for w, b in zip(self.active, buffers, strict=True)]
         for pending in receiving:
             pending.wait()
-        tensors = [t for r in requests for t in r.tensors]
-        per_worker = [_regroup(requests, _split_bytes(b[:-1], tensors)) for b in buffers]
-        poisoned = any(bool(b[-1]) for b in buffers)
+        messages = [unframe(b, tensors) for b in buffers]
+        per_worker = [_regroup(requests, decoded) for decoded, _ in messages]
+        poisoned = any(flag for _, flag in messages)
         answers: list[Any] = []
         for index, request in enumerate(requests):
             payloads = [worker[index] for worker in per_worker]
             if request.op is Op.GATHER:
                 answers.append(payloads)
             else:
-                answers.append(_reduce_locally(request.op, payloads))
+                answers.append(reduce_locally(request.op, payloads))
         traffic = Traffic(received=size * len(buffers), collectives=1)
         if self.replies:
-            reply = _message(
-                [Request(r.op, tuple(a)) for r, a in zip(requests, answers, strict=True)], poisoned
-            )
+            reply = frame([t for answer in answers for t in answer], poisoned)
             sending = [self.channels[w].send(reply) for w in self.active]
             for pending in sending:
                 pending.wait()

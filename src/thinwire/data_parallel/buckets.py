@@ -28,8 +28,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from thinwire.comm.parameters import split_parameters
 from thinwire.compress.base import is_real
+from thinwire.data_parallel.parameters import split_parameters
 
 MB = 2**20
 #: the bucket layout that :func:`tapered_buckets` plans, as ``bucket_cap_mb`` takes it

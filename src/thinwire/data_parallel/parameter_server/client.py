@@ -27,17 +27,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.comm.collectives import _group_timeout, run_collective
-from thinwire.comm.engine import GradientExchange, GradientItem, _digest, gradient_of
-from thinwire.comm.optimizer import check_first_order
-from thinwire.comm.parameters import ignored_names, is_table, split_parameters
+from thinwire.comm.agreement import parameter_layout, ranks_differing
+from thinwire.comm.collectives import group_timeout, run_collective
+from thinwire.comm.engine import GradientExchange, GradientItem, gradient_of
 from thinwire.compress.base import Compressor, Memory, is_integer, is_real
 from thinwire.compress.registry import compressor as build_compressor
+from thinwire.data_parallel.optimizer import check_first_order
+from thinwire.data_parallel.parameter_server.channels import (
+    TO_SERVER,
+    TO_WORKER,
+    Channel,
+    LocalPair,
+    ProcessChannel,
+)
+from thinwire.data_parallel.parameter_server.links import ServerLink
+from thinwire.data_parallel.parameter_server.server import (
+    ANSWER,
+    CLOSE,
+    FINE,
+    PUSH,
+    SNAPSHOT,
+    ShardServer,
+    base_rate,
+)
+from thinwire.data_parallel.parameter_server.sharding import assign_shards, wire_dtype
+from thinwire.data_parallel.parameters import ignored_names, is_table, split_parameters
 from thinwire.errors import CommunicationError, NonFiniteGradientError, RankMismatchError
-from thinwire.ps.channels import TO_SERVER, TO_WORKER, Channel, LocalPair, ProcessChannel
-from thinwire.ps.links import ServerLink
-from thinwire.ps.server import ANSWER, CLOSE, FINE, PUSH, SNAPSHOT, ShardServer, base_rate
-from thinwire.ps.sharding import assign_shards, wire_dtype
 
 MODES = ("sync", "async")
 
@@ -120,9 +135,10 @@ class ParameterServer:
         if left_alone:
             raise ValueError(
                 f"the model tells data-parallel wrappers to leave {', '.join(left_alone[:3])}"
-                f"{' ...' if len(left_alone) > 3 else ''} alone (thinwire.sparse tables, or "
-                "DDP's ignore list), but a parameter server trains every parameter on its "
-                "shards. Convert the tables back with thinwire.sparse.dense_embeddings(model), "
+                f"{' ...' if len(left_alone) > 3 else ''} alone (thinwire.data_parallel.sparse "
+                "tables, or DDP's ignore list), but a parameter server trains every parameter on "
+                "its shards. Convert the tables back with "
+                "thinwire.data_parallel.sparse.dense_embeddings(model), "
                 "or train a model with sparse tables under DDP or DistributedOptimizer"
             )
         self.parameters, _ = split_parameters(named)
@@ -139,7 +155,7 @@ class ParameterServer:
         self.is_server = rank < servers
         self.is_worker = rank >= self.first_worker
         self.worker_index = rank - self.first_worker
-        pg_timeout = _group_timeout(group) or datetime.timedelta(minutes=30)
+        pg_timeout = group_timeout(group) or datetime.timedelta(minutes=30)
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else pg_timeout
         self.timeout = timeout
         self.shards = assign_shards(self.parameters, servers)
@@ -198,17 +214,13 @@ class ParameterServer:
     # -- construction helpers -----------------------------------------------------------
 
     def _check_agreement(self, compressor: Compressor, group: Any, colocated: bool) -> None:
-        layout = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self.parameters)
         setup = f"{compressor!r}|{self.mode}|{self.staleness}|{self.servers}|{colocated}"
-        mine = torch.tensor([_digest(layout), _digest(setup)], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
-        run_collective("the setup check", dist.all_gather, everyone, mine, group=group)
-        problems = [
-            f"rank {r} has different parameters (names, shapes or dtypes)"
-            if theirs[0] != mine[0]
-            else f"rank {r} has a different compressor or server setup"
-            for r, theirs in enumerate(everyone)
-            if not torch.equal(theirs, mine)
+        layouts, setups = ranks_differing([parameter_layout(self.parameters), setup], group)
+        problems = [f"rank {r} has different parameters (names, shapes or dtypes)" for r in layouts]
+        problems += [
+            f"rank {r} has a different compressor or server setup"
+            for r in setups
+            if r not in layouts
         ]
         if problems:
             raise RankMismatchError(

@@ -15,7 +15,6 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -170,8 +169,3 @@ class LocalChannel(Channel):
     def recv(self, tensor: Tensor) -> Pending:
         """Take the other end's next tensor into ``tensor`` when waited for."""
         return _Take(self, tensor)
-
-
-def as_bytes(tensor: Tensor) -> Tensor:
-    """``tensor``'s bytes as a flat uint8 tensor (a copy only if it is not contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

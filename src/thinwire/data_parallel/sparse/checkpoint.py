@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from thinwire.sparse.embedding import ShardedEmbedding
+from thinwire.data_parallel.sparse.embedding import ShardedEmbedding
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any]:

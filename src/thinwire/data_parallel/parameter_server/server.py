@@ -3,7 +3,8 @@ parameters.
 
 Messages (per worker, on its channel): a push is a header ``float64[4] = [kind, step,
 version, lr_factor]`` (kind 0: push, 1: the worker is done, 2: a checkpoint) followed, for
-a push, by the compressor's round messages (see :mod:`thinwire.ps.links`); the answer is
+a push, by the compressor's round messages (see
+:mod:`thinwire.data_parallel.parameter_server.links`); the answer is
 ``float64[2] = [status, version]`` followed by the shard's parameters as one fp32 vector
 (status 0: fine, 1: a non-finite gradient was pushed and nothing was applied).
 
@@ -38,10 +39,10 @@ from torch import Tensor
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Compressor
 from thinwire.compress.feedback import NoMemory
+from thinwire.data_parallel.parameter_server.channels import Channel
+from thinwire.data_parallel.parameter_server.links import WorkerFanIn
+from thinwire.data_parallel.parameter_server.sharding import wire_dtype
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
-from thinwire.ps.channels import Channel
-from thinwire.ps.links import WorkerFanIn
-from thinwire.ps.sharding import wire_dtype
 
 PUSH, CLOSE, SNAPSHOT = 0, 1, 2
 FINE, POISONED = 0, 1

@@ -132,7 +132,7 @@ def register(
         built, communicator=communicator, memory=memory, group=sibling_group(group)
     )
     # the parameters DDP buckets (those frozen after DDP was built included), less those
-    # DDP leaves alone (thinwire.sparse's tables: each rank's shard differs by design)
+    # DDP leaves alone (thinwire.data_parallel.sparse's tables: each rank's shard differs by design)
     ignored = set(getattr(model, "parameters_to_ignore", ()))
     named = [(n, p) for n, p in model.module.named_parameters() if n not in ignored]
     engine.verify(named)

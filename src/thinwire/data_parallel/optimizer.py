@@ -25,9 +25,9 @@ from torch import nn
 
 from thinwire.comm.collectives import Communicator, run_collective, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
-from thinwire.comm.parameters import split_parameters
 from thinwire.compress.base import Compressor, Memory, check_flag, is_real
 from thinwire.compress.registry import compressor as build_compressor
+from thinwire.data_parallel.parameters import split_parameters
 
 
 class DistributedOptimizer:
@@ -73,7 +73,8 @@ class DistributedOptimizer:
         check_flag("own_group", own_group)
         built = build_compressor(compressor, **options)
         built.check_optimizer(optimizer)
-        # less the tables thinwire.sparse shards (DDP's ignore list): each rank's differs
+        # less the tables thinwire.data_parallel.sparse shards (DDP's ignore list): each
+        # rank's differs
         self.parameters, self._frozen = split_parameters(model)
         if not self.parameters:
             raise ValueError("the model has no parameters that require gradients")

@@ -8,7 +8,7 @@ averages) into a full-table gradient: each rank ends the step with the same grad
 dense all-reduce would have produced, having moved only looked-up rows. What it costs grows
 with the number of ranks (each rank receives every other rank's rows), where the sharded
 table's all-to-all sends each row to one owner only; this is the baseline
-:class:`~thinwire.sparse.ShardedEmbedding` is measured against, beside plain DDP.
+:class:`~thinwire.data_parallel.sparse.ShardedEmbedding` is measured against, beside plain DDP.
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import run_collective, sibling_group
-from thinwire.comm.parameters import TABLE_MARK
-from thinwire.sparse.embedding import SparseTraffic, agree_on_table, check_ids, check_table
+from thinwire.data_parallel.parameters import TABLE_MARK
+from thinwire.data_parallel.sparse.embedding import (
+    SparseTraffic,
+    agree_on_table,
+    check_ids,
+    check_table,
+)
 
 
 class AllGatherEmbedding(nn.Module):

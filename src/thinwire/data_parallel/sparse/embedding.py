@@ -36,8 +36,9 @@ DDP started earlier in the backward pass.
 
 Every rank must call forward, backward and :meth:`ShardedEmbedding.prefetch` the same
 number of times in the same order (they are collectives). Dense parameters stay data
-parallel (DDP or a thinwire compressor); :func:`thinwire.sparse.shard_embeddings` tells DDP
-to leave the tables alone, since each rank's shard differs by design.
+parallel (DDP or a thinwire compressor);
+:func:`thinwire.data_parallel.sparse.shard_embeddings` tells DDP to leave the tables alone,
+since each rank's shard differs by design.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from thinwire.comm.collectives import run_collective, sibling_group, value_ranges
-from thinwire.comm.parameters import TABLE_MARK
+from thinwire.comm.agreement import value_ranges
+from thinwire.comm.collectives import run_collective, sibling_group
 from thinwire.compress.base import is_integer
+from thinwire.data_parallel.parameters import TABLE_MARK
 from thinwire.errors import RankMismatchError
 
 
@@ -180,8 +182,8 @@ class ShardedEmbedding(nn.Module):
             differently).
 
     ``state_dict()`` holds this rank's rows, marked with the rank and world size they
-    belong to; :func:`thinwire.sparse.full_state_dict` writes the whole table, which loads
-    on any number of ranks. Call :meth:`close` to free the table's process groups and
+    belong to; :func:`thinwire.data_parallel.sparse.full_state_dict` writes the whole table,
+    which loads on any number of ranks. Call :meth:`close` to free the table's process groups and
     prefetch thread when done (``dense_embeddings`` does).
     """
 
@@ -390,7 +392,8 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(
                 f"a table of shape {tuple(full.shape)} cannot load into a sharded embedding of "
                 f"{self.num_embeddings} x {self.embedding_dim}: load whole tables, as "
-                "thinwire.sparse.full_state_dict and full_optimizer_state_dict save them (a "
+                "thinwire.data_parallel.sparse.full_state_dict and full_optimizer_state_dict "
+                "save them (a "
                 "rank's own state_dict() holds only its shard)"
             )
         return full[self.rank :: self.world].clone()
@@ -406,8 +409,8 @@ class ShardedEmbedding(nn.Module):
         error_msgs: list[str],
     ) -> None:
         """Load either this rank's shard (a state_dict saved on the same number of ranks)
-        or the whole table (one from :func:`thinwire.sparse.full_state_dict`, saved on any
-        number of ranks, or a plain ``nn.Embedding``'s), keeping this rank's rows."""
+        or the whole table (one from :func:`thinwire.data_parallel.sparse.full_state_dict`,
+        saved on any number of ranks, or a plain ``nn.Embedding``'s), keeping this rank's rows."""
         key = prefix + "weight"
         value = state_dict.get(key)
         whole = (self.num_embeddings, self.embedding_dim)
@@ -418,7 +421,8 @@ class ShardedEmbedding(nn.Module):
             error_msgs.append(
                 f"{key} holds shard {saved_as[0]} of a table sharded over {saved_as[1]} ranks, "
                 f"and this is rank {self.rank} of {self.world}: load each rank's own "
-                "state_dict, or save with thinwire.sparse.full_state_dict to change ranks"
+                "state_dict, or save with thinwire.data_parallel.sparse.full_state_dict to "
+                "change ranks"
             )
             return
         super()._load_from_state_dict(

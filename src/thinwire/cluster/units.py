@@ -1,0 +1,52 @@
+"""Link rates and delays as people write them: ``"100mbit"``, ``"1gbit"``, ``"50ms"``.
+
+Used wherever a bandwidth or a latency comes from a user: the emulated cluster, the
+benchmark and the cost model.
+"""
+
+from __future__ import annotations
+
+import re
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_rate(text: str | float | None) -> float | None:
+    """Bits per second from ``"100mbit"``, ``"10Mbit"``, ``"1gbit"`` or a number;
+    ``None``, ``"unlimited"`` and ``0`` mean no limit."""
+    if text is None or text in ("unlimited", "none", 0, "0"):
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _RATE_UNITS:
+            raise ValueError(
+                f"bandwidth {text!r} is not understood; write a number and a unit, e.g. "
+                f"10mbit, 100mbit, 1gbit (units: {', '.join(_RATE_UNITS)}), or 'unlimited'"
+            )
+        value = float(match.group(1)) * _RATE_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"bandwidth must be > 0 bits per second, got {text!r}")
+    return value
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``"1ms"``, ``"50ms"``, ``"200us"``, ``"0"`` or a number of seconds."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    elif text.strip() == "0":
+        value = 0.0
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
+        if not match or match.group(2) not in _TIME_UNITS:
+            raise ValueError(
+                f"latency {text!r} is not understood; write a number and a unit, e.g. 1ms, "
+                f"50ms, 200us (units: {', '.join(_TIME_UNITS)})"
+            )
+        value = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    if not 0 <= value <= 10:
+        raise ValueError(f"latency must be between 0 and 10 s, got {text!r}")
+    return value
