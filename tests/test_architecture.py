@@ -14,7 +14,7 @@ PACKAGE = ROOT / "src" / "thinwire"
 #: what ``import thinwire`` (the public API) brings in
 PUBLIC_API = {"comm", "compress", "data_parallel", "errors"}
 _TRANSPORT = {"comm", "compress", "errors"}
-_LIBRARY = _TRANSPORT | {"data_parallel", "parallel", "integrations"}
+_LIBRARY = _TRANSPORT | {"data_parallel", "parallel", "integrations", "strategies"}
 
 #: each part of thinwire and the parts it may import (besides itself): docs/architecture.md
 ALLOWED: dict[str, set[str]] = {
@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "comm": {"compress", "errors"},
     "data_parallel": _TRANSPORT,
     "parallel": _TRANSPORT | {"data_parallel"},
+    "strategies": _TRANSPORT | {"data_parallel"},
     "integrations": _TRANSPORT | {"data_parallel"},
     "tasks": _TRANSPORT | {"data_parallel"},  # digits_training: a loop on the public API
     "cluster": {"errors"},

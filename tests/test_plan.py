@@ -30,14 +30,12 @@ from thinwire.plan import (
     ddp_buckets,
     measure_compute,
     measure_method,
-    method_kind,
-    method_options,
     predict_step,
     profile_model,
     step_time,
 )
 from thinwire.plan.embedding import TableLookups, measure_lookups, table_traffic
-from thinwire.plan.methods import Kind
+from thinwire.strategies import strategy
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -376,9 +374,9 @@ def test_communicator_option_picks_the_collectives_and_is_checked() -> None:
     assert kinds("dgc", {"density": 0.01, "communicator": "direct"}) == {DIRECT}
     assert kinds("dgc", {"density": 0.01}) == {ALLGATHER}
     with pytest.raises(ValueError, match="communicator must be one of"):
-        method_options("powersgd", {"communicator": "ring"})
+        strategy("powersgd").options({"communicator": "ring"})
     with pytest.raises(ValueError, match="cannot run on communicator 'allreduce'"):
-        method_options("dgc", {"communicator": "allreduce"})
+        strategy("dgc").options({"communicator": "allreduce"})
 
 
 def test_dgc_compresses_large_matrices_about_500x() -> None:
@@ -434,22 +432,22 @@ def test_pytorch_hook_traffic() -> None:
 
 
 def test_method_table() -> None:
-    assert method_kind("local") is Kind.LOCAL
-    assert method_kind("dense") is Kind.DDP
-    assert method_kind("ddp-powersgd") is Kind.DDP_POWERSGD
-    assert method_kind("dgc") is Kind.THINWIRE
+    assert strategy("local").costing == "none"
+    assert strategy("dense").costing == "dense"
+    assert strategy("ddp-powersgd").costing == "torch-powersgd"
+    assert strategy("dgc").costing == "thinwire"
     with pytest.raises(ValueError, match="unknown method 'zip'; choose one of: local, dense"):
-        method_kind("zip")
-    assert method_options("ddp-powersgd", {"rank": 4})["matrix_approximation_rank"] == 4
+        strategy("zip")
+    assert strategy("ddp-powersgd").options({"rank": 4})["matrix_approximation_rank"] == 4
     with pytest.raises(ValueError, match="method 'dense' has no option"):
-        method_options("dense", {"rank": 4})
+        strategy("dense").options({"rank": 4})
     with pytest.raises(ValueError, match="density"):
-        method_options("dgc", {"density": 2.0})
+        strategy("dgc").options({"density": 2.0})
     # the error names the option as the user spelled it
     with pytest.raises(ValueError, match=r"ddp-powersgd: rank must be an integer >= 1, got 0"):
-        method_options("ddp-powersgd", {"rank": 0})
+        strategy("ddp-powersgd").options({"rank": 0})
     with pytest.raises(ValueError, match=r"matrix_approximation_rank must be .*, got 2\.5"):
-        method_options("ddp-powersgd", {"matrix_approximation_rank": 2.5})
+        strategy("ddp-powersgd").options({"matrix_approximation_rank": 2.5})
 
 
 # -- the command ----------------------------------------------------------------------------

@@ -35,6 +35,20 @@ def _compressors(args: argparse.Namespace) -> int:
     return 0
 
 
+def _strategies(args: argparse.Namespace) -> int:
+    from thinwire.strategies import strategies, strategy
+
+    table = Table(title="thinwire strategies (thinwire bench --methods, thinwire plan)")
+    for column in ("name", "options", "costed as", "schedule", "summary"):
+        table.add_column(column)
+    for name, summary in strategies().items():
+        chosen = strategy(name)
+        options = ", ".join(f"{k}={v!r}" for k, v in chosen.options().items())
+        table.add_row(name, options, chosen.costing, chosen.schedule, summary)
+    Console(width=160).print(table)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from thinwire.demo import run_demo
 
@@ -130,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("compressors", help="list the compressors and their options")
     listing.set_defaults(run=_compressors)
+    listing = sub.add_parser(
+        "strategies", help="list the training strategies (the methods bench and plan take)"
+    )
+    listing.set_defaults(run=_strategies)
     from thinwire.bench.command import add_ddp_arguments
     from thinwire.demo import add_demo_arguments
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from thinwire.bench.repeats import by_repeat
-from thinwire.plan.methods import UNSYNCHRONISED_KINDS, method_kind
+from thinwire.strategies import strategy
 
 
 def throughput_step_s(record: dict[str, Any]) -> float:
@@ -15,7 +15,7 @@ def throughput_step_s(record: dict[str, Any]) -> float:
     step for synchronous methods, the wall-clock time per step for ``dga`` and
     ``ps-async`` (their ranks do not wait for each other, so the slowest rank of each step
     is a different rank at a different time)."""
-    if method_kind(record["method"]) in UNSYNCHRONISED_KINDS:
+    if not strategy(record["method"]).synchronised:
         return record["wall_step_s"]
     return record["step_s_median"]
 

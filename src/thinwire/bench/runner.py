@@ -49,7 +49,7 @@ from thinwire.cluster import ClusterError, EmulatedCluster, check_can_emulate
 from thinwire.cluster.private import check_private_loopback, private_loopback
 from thinwire.data_parallel.buckets import BucketSpec, check_bucket_spec
 from thinwire.launch import LocalPool, Placement
-from thinwire.plan.methods import EMBEDDING_KINDS, check_servers
+from thinwire.strategies.parameter_server import check_servers
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class BenchConfig:
         if self.compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")
         if self.compute == "sleep":
-            sparse = [m.name for m in self.methods if m.kind in EMBEDDING_KINDS]
+            sparse = [m.name for m in self.methods if m.strategy.embedding]
             if sparse:
                 raise ValueError(
                     f"--compute sleep keeps the model's parameters as they are, and {sparse} "
@@ -445,7 +445,7 @@ def add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
     options: dict[str, Any] = {}
     if config.bucket_cap_mb is not None:
         options["bucket_cap_mb"] = config.bucket_cap_mb
-    if any(m.kind in EMBEDDING_KINDS for m in config.methods):
+    if any(m.strategy.embedding for m in config.methods):
         options["lookups"] = task_lookups(task, model, config.workers)
     profile = profile_model(
         model,

@@ -9,8 +9,9 @@
 :mod:`thinwire.plan.network` (links, alpha-beta collectives), :mod:`thinwire.plan.cost` (a
 step's timeline) and :mod:`thinwire.plan.breakeven` are the pure model (numbers in, numbers out);
 :mod:`thinwire.plan.profile` measures compute, traffic and compression time in this
-process; :mod:`thinwire.plan.methods` names the methods; :mod:`thinwire.plan.report`
-renders a plan as a table or JSON.
+process, each method the way its strategy's ``costing`` says (the methods are the training
+strategies of :mod:`thinwire.strategies`); :mod:`thinwire.plan.report` renders a plan as a
+table or JSON.
 """
 
 from thinwire.plan.breakeven import BreakEven, break_even_bandwidth, plan
@@ -21,14 +22,6 @@ from thinwire.plan.cost import (
     StepPrediction,
     predict_step,
     step_time,
-)
-from thinwire.plan.methods import (
-    BUILTIN_METHODS,
-    DEFAULT_PLAN_METHODS,
-    Kind,
-    method_kind,
-    method_names,
-    method_options,
 )
 from thinwire.plan.network import (
     ALLGATHER,
@@ -55,15 +48,12 @@ __all__ = [
     "ALLGATHER",
     "ALLREDUCE",
     "ALLTOALL",
-    "BUILTIN_METHODS",
-    "DEFAULT_PLAN_METHODS",
     "DIRECT",
     "BreakEven",
     "BucketCost",
     "Collective",
     "ComputeProfile",
     "ComputeTime",
-    "Kind",
     "Link",
     "MethodCost",
     "Profile",
@@ -74,9 +64,6 @@ __all__ = [
     "ddp_buckets",
     "measure_compute",
     "measure_method",
-    "method_kind",
-    "method_names",
-    "method_options",
     "plan",
     "predict_step",
     "profile_model",

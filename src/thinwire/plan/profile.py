@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from thinwire.data_parallel.buckets import BucketSpec
 from thinwire.plan.cost import ComputeTime, MethodCost, StepPrediction, predict_step
 from thinwire.plan.embedding import TableLookups, measure_lookups
-from thinwire.plan.methods import EMBEDDING_KINDS, method_kind, method_options
 from thinwire.plan.network import Link
 from thinwire.plan.profile_buckets import (
     BUCKET_CAP_MB,
@@ -38,6 +37,7 @@ from thinwire.plan.profile_buckets import (
 )
 from thinwire.plan.profile_compute import ComputeProfile, measure_compute, one_thread
 from thinwire.plan.profile_method import measure_method
+from thinwire.strategies import strategy
 
 #: how many steps of every rank's batches the embedding lookups are measured on
 LOOKUP_STEPS = 4
@@ -102,8 +102,8 @@ def profile_model(
     broadcast of the model's buffers before each forward pass the DDP methods pay;
     ``lookups``: the embedding tables' lookups, for the embedding methods)."""
     for name, opts in methods.items():
-        method_options(name, opts)  # fail fast, before the slow part
-        if method_kind(name) in EMBEDDING_KINDS and lookups is None:
+        strategy(name).options(opts)  # fail fast, before the slow part
+        if strategy(name).embedding and lookups is None:
             raise ValueError(
                 f"{name!r} needs the tables' lookups: pass lookups= "
                 "(thinwire.plan.embedding.measure_lookups), or use profile_task"
@@ -145,7 +145,7 @@ def profile_task(
     For the embedding methods, every rank's lookups are measured on its first batches."""
     model = task.build_model()
     batch = task.batch(0, world_size, 0)
-    if any(method_kind(name) in EMBEDDING_KINDS for name in methods):
+    if any(strategy(name).embedding for name in methods):
         options.setdefault("lookups", task_lookups(task, model, world_size))
     return profile_model(
         model,

@@ -22,8 +22,8 @@ from torch import Tensor
 from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
-from thinwire.plan.methods import Kind, split_communicator
 from thinwire.plan.network import ALLGATHER, ALLREDUCE, Collective
+from thinwire.strategies.compressed import split_communicator
 
 
 class Bucket:
@@ -56,16 +56,16 @@ Exchanger = Callable[[Bucket, int, bool], list[Collective]]
 
 
 def build_exchanger(
-    kind: Kind, method: str, options: Mapping[str, Any], world: int, fuse_rounds: bool
+    costing: str, method: str, options: Mapping[str, Any], world: int, fuse_rounds: bool
 ) -> Exchanger:
-    """The :data:`Exchanger` of ``method`` (of ``kind``, with ``options``) for ``world``
-    workers: DDP's plain all-reduce, PyTorch's fp16 or PowerSGD hook, or a thinwire
-    compressor through :class:`ThinwireEngine` (``fuse_rounds``: see that class)."""
-    if kind is Kind.DDP:
+    """The :data:`Exchanger` of ``method`` (its strategy's ``costing``, with ``options``)
+    for ``world`` workers: DDP's plain all-reduce, PyTorch's fp16 or PowerSGD hook, or a
+    thinwire compressor through :class:`ThinwireEngine` (``fuse_rounds``: see that class)."""
+    if costing == "dense":
         return lambda bucket, run, last: [Collective(ALLREDUCE, bucket.numel * 4)]
-    if kind is Kind.DDP_FP16:
+    if costing == "torch-fp16":
         return lambda bucket, run, last: _fp16_hook(bucket, world)
-    if kind is Kind.DDP_POWERSGD:
+    if costing == "torch-powersgd":
         return _TorchPowerSGD(options, world)
     from thinwire.compress.registry import compressor as build
 

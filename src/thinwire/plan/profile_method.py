@@ -23,17 +23,11 @@ from torch import Tensor
 from thinwire.data_parallel.buckets import BucketSpec
 from thinwire.plan.cost import BucketCost, MethodCost
 from thinwire.plan.embedding import TableLookups, table_traffic
-from thinwire.plan.methods import (
-    EMBEDDING_KINDS,
-    WRAPPER_KINDS,
-    Kind,
-    method_kind,
-    method_options,
-)
 from thinwire.plan.network import Collective
 from thinwire.plan.profile_buckets import BUCKET_CAP_MB, NamedTensors, bucket_groups, ddp_buckets
 from thinwire.plan.profile_compute import ComputeProfile, one_thread
 from thinwire.plan.profile_exchangers import Bucket, Exchanger, ThinwireEngine, build_exchanger
+from thinwire.strategies import strategy
 
 
 def measure_method(
@@ -62,10 +56,10 @@ def measure_method(
         raise ValueError(f"world size (workers) must be an integer >= 1, got {world_size!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    kind = method_kind(method)
-    opts = method_options(method, options)
+    chosen = strategy(method)
+    opts = chosen.options(options)
     params = [(n, p) for n, p in params]
-    if kind in EMBEDDING_KINDS:
+    if chosen.costing == "embedding":
         if lookups is None:
             raise ValueError(
                 f"{method!r} sends what each batch looks up: profile it with its task "
@@ -86,21 +80,21 @@ def measure_method(
             broadcast_bytes=broadcast_bytes,
         )
     dense_bytes = sum(p.numel() * 4 for _, p in params)
-    if kind is Kind.LOCAL:
+    if chosen.costing == "none":
         return MethodCost(method, (), dense_bytes, opts)
     order = compute.order if compute is not None else None
-    if kind in WRAPPER_KINDS:
-        return _wrapper_cost(method, kind, opts, params, world_size, repeats, seed)
-    if kind is Kind.DDP_POWERSGD:
+    if chosen.costing == "wrapper":
+        return _wrapper_cost(method, chosen.schedule, opts, params, world_size, repeats, seed)
+    if chosen.costing == "torch-powersgd":
         # thinwire bench runs PyTorch's PowerSGD hook with one bucket on gloo (its
         # callback-issued all-reduces race between buckets there): model it that way
         groups = [[n for n, _ in reversed(params)] if order is None else list(order)]
     else:
         groups = bucket_groups(params, order, bucket_cap_mb)
-    exchanger = build_exchanger(kind, method, opts, world_size, fuse_rounds)
+    exchanger = build_exchanger(chosen.costing, method, opts, world_size, fuse_rounds)
     ready_of = (lambda names: max(compute.ready[n] for n in names)) if compute else None
     buckets = _measure_buckets(
-        params, groups, exchanger, repeats, seed, ready_of, timed=kind is not Kind.DDP
+        params, groups, exchanger, repeats, seed, ready_of, timed=chosen.costing != "dense"
     )
     return MethodCost(method, tuple(buckets), dense_bytes, opts, broadcast_bytes=broadcast_bytes)
 
@@ -157,7 +151,7 @@ def _embedding_cost(
 
 def _wrapper_cost(
     method: str,
-    kind: Kind,
+    schedule: str,
     options: Mapping[str, Any],
     params: list[tuple[str, Tensor]],
     world_size: int,
@@ -178,7 +172,7 @@ def _wrapper_cost(
     timed = options["compressor"] != "none"
     buckets = _measure_buckets(params, groups, exchanger, repeats, seed, None, timed=timed)
     dense_bytes = sum(p.numel() * 4 for _, p in params)
-    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=kind.value)
+    return MethodCost(method, tuple(buckets), dense_bytes, options, schedule=schedule)
 
 
 def _measure_buckets(

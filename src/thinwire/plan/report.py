@@ -17,13 +17,28 @@ from rich.table import Table
 from thinwire.data_parallel.buckets import BucketSpec, check_bucket_spec
 from thinwire.plan.breakeven import BreakEven, plan
 from thinwire.plan.cost import StepPrediction
-from thinwire.plan.methods import DEFAULT_PLAN_METHODS, check_servers, method_options
 from thinwire.plan.network import Link, format_bytes, format_rate
+from thinwire.strategies import strategy
+from thinwire.strategies.parameter_server import check_servers
 
 #: the method that break-even bandwidths are measured against
 REFERENCE = "dense"
 
 Rows = Sequence[tuple[StepPrediction, BreakEven | None]]
+
+#: what ``thinwire plan`` predicts when no ``--methods`` are given
+DEFAULT_PLAN_METHODS = (
+    "local",
+    "dense",
+    "ddp-fp16",
+    "ddp-powersgd",
+    "fp16",
+    "powersgd",
+    "powersgd-oneround",
+    "dgc",
+    "onebit",
+    "terngrad",
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,7 @@ def parse_request(
             )
         chosen.update(given)
     for name, opts in chosen.items():
-        chosen[name] = method_options(name, opts)
+        chosen[name] = strategy(name).options(opts)
         check_servers(name, chosen[name], workers)
     try:
         built = json.loads(task_options) if task_options else {}

@@ -17,6 +17,7 @@ from thinwire.strategies.registry import (
     strategies,
     strategy,
     strategy_names,
+    unregister_strategy,
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "strategies",
     "strategy",
     "strategy_names",
+    "unregister_strategy",
 ]
 
 for _module in pkgutil.iter_modules(__path__):

@@ -35,6 +35,11 @@ def register_strategy(cls: S) -> S:
     return cls
 
 
+def unregister_strategy(name: str) -> None:
+    """Forget the strategy registered as ``name`` (for plug-ins and their tests)."""
+    _REGISTRY.pop(name, None)
+
+
 def strategy(name: str) -> Strategy:
     """The strategy called ``name``: a registered one, else a thinwire compressor under
     DDP's hook; unknown names raise ``ValueError`` listing every name."""
