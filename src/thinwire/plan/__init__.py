@@ -6,12 +6,14 @@
     profile.predict("dgc", link).step_s                     # this process's compute
     profile.predict("dgc", link, compute=local_step_s)      # calibrated to a measured one
 
-:mod:`thinwire.plan.network` (links, alpha-beta collectives), :mod:`thinwire.plan.cost` (a
+:mod:`thinwire.plan.network` (links, alpha-beta collectives), :mod:`thinwire.plan.topology`
+(link levels: which link a group's collectives run at), :mod:`thinwire.plan.cost` (a
 step's timeline) and :mod:`thinwire.plan.breakeven` are the pure model (numbers in, numbers out);
 :mod:`thinwire.plan.profile` measures compute, traffic and compression time in this
 process, each method the way its strategy's ``costing`` says (the methods are the training
 strategies of :mod:`thinwire.strategies`); :mod:`thinwire.plan.report` renders a plan as a
-table or JSON.
+table or JSON; :mod:`thinwire.plan.memory` measures what a rank holds (parameters,
+gradients, optimizer and exchange state).
 """
 
 from thinwire.plan.breakeven import BreakEven, break_even_bandwidth, plan
@@ -23,6 +25,7 @@ from thinwire.plan.cost import (
     predict_step,
     step_time,
 )
+from thinwire.plan.memory import MemoryEstimate, data_parallel_memory
 from thinwire.plan.network import (
     ALLGATHER,
     ALLREDUCE,
@@ -43,6 +46,7 @@ from thinwire.plan.profile import (
     profile_model,
     profile_task,
 )
+from thinwire.plan.topology import Topology
 
 __all__ = [
     "ALLGATHER",
@@ -55,12 +59,15 @@ __all__ = [
     "ComputeProfile",
     "ComputeTime",
     "Link",
+    "MemoryEstimate",
     "MethodCost",
     "Profile",
     "StepPrediction",
+    "Topology",
     "break_even_bandwidth",
     "broadcast_time",
     "collective_time",
+    "data_parallel_memory",
     "ddp_buckets",
     "measure_compute",
     "measure_method",
