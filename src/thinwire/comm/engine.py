@@ -201,6 +201,45 @@ class GradientExchange:
             self._worker = OrderedWorker()
         return self._worker.submit(job)
 
+    def exchange_bucket(
+        self,
+        items: Sequence[GradientItem],
+        token: Any = None,
+        *,
+        last: bool,
+        fuse: bool = False,
+        step: int | None = None,
+    ) -> list[tuple[Any, list[Tensor]]]:
+        """The one entry point for a step's buckets: compensate, exchange and finish
+        ``items`` (with ``fuse``, its later rounds travel with the next bucket's first, as
+        :meth:`exchange_fused` does), and with ``last`` close the step (:meth:`end_step`:
+        statistics, counter, the memory's commit) before returning. A failure rolls the
+        step back on every rank and raises. ``step``: the step these gradients belong to,
+        where the caller keeps the clock (a parameter server applies pushes of several
+        steps); the first bucket of a step takes it. Returns ``(token, means)`` for each
+        bucket this call finished, oldest first; every rank must make the same calls."""
+        if step is not None:
+            self._take_step(step)
+        if fuse:
+            finished = self.exchange_fused(items, token, last=last)
+        else:
+            finished = [(token, self.exchange(items))]
+        if last:
+            self.end_step()
+        return finished
+
+    def _take_step(self, step: int) -> None:
+        """Number the step under way ``step`` (only between steps)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if self._before_step is None and not self._in_flight:
+            self.step, self._current = step, StepStats(step=step)
+        elif step != self.step:
+            raise RuntimeError(
+                f"a step's buckets must share its step number: this step is {self.step}, and "
+                f"a bucket of it came with step {step}"
+            )
+
     def exchange(self, items: Sequence[GradientItem]) -> list[Tensor]:
         """Average ``items``' gradients over all ranks (blocking); returns the means in the
         gradients' dtypes. Every rank must call this with the same keys and shapes."""

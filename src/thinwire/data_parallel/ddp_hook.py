@@ -163,14 +163,12 @@ def compressed_hook(
             if earlier is not None:
                 raise earlier
             try:
-                means = engine.exchange(items)
+                ((_, means),) = engine.exchange_bucket(items, last=is_last)
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
             for view, mean in zip(views, means, strict=True):
                 view.copy_(mean)
-            if is_last:
-                engine.end_step()
             return buffer
 
         return _for_ddp(engine.submit(job))
@@ -190,15 +188,15 @@ def compressed_hook(
             return
         try:
             try:
-                finished = engine.exchange_fused(items, (views, buffer, future), last=is_last)
+                finished = engine.exchange_bucket(
+                    items, (views, buffer, future), last=is_last, fuse=True
+                )  # with the last bucket, the step is closed before any future resolves
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
             for (done_views, _, _), means in finished:
                 for view, mean in zip(done_views, means, strict=True):
                     view.copy_(mean)
-            if is_last:  # before any future resolves: DDP's backward() returns on them
-                engine.end_step()
             for _, done_buffer, done_future in (token for token, _ in finished):
                 with state.lock:
                     state.waiting.remove(done_future)

@@ -348,18 +348,16 @@ class DelayedAveraging:
         try:
             for index, items in enumerate(buckets):
                 last = index == len(buckets) - 1
-                if self._sync.fuse_rounds:
-                    finished = engine.exchange_fused(items, index, last=last)
-                else:
-                    finished = [(index, engine.exchange(items))]
+                # the last bucket closes the step before anyone waiting on it wakes up
+                finished = engine.exchange_bucket(
+                    items, index, last=last, fuse=self._sync.fuse_rounds
+                )
                 for done, means in finished:
                     for item, mean in zip(buckets[done], means, strict=True):
                         if self._replay is not None:
                             item.grad.copy_(mean)
                         else:
                             item.grad.neg_().add_(mean)
-                if last:  # the step is closed before anyone waiting on it wakes up
-                    engine.end_step()
                 for done, _ in finished:
                     futures[done].set_result(None)
         except BaseException as error:

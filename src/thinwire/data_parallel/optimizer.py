@@ -143,16 +143,16 @@ class DistributedOptimizer:
         for items, bucket_means in zip(buckets, means, strict=True):
             for item, mean in zip(items, bucket_means, strict=True):
                 item.grad.copy_(mean)
-        self.engine.end_step()
 
     def _exchange(self, buckets: list[list[GradientItem]]) -> list[list[torch.Tensor]]:
-        """Every bucket's means, in bucket order (on the engine's thread)."""
-        if not self.fuse_rounds:
-            return [self.engine.exchange(items) for items in buckets]
+        """Every bucket's means, in bucket order (on the engine's thread; the last bucket
+        closes the step)."""
         means: dict[int, list[torch.Tensor]] = {}
         for index, items in enumerate(buckets):
             last = index == len(buckets) - 1
-            means.update(self.engine.exchange_fused(items, index, last=last))
+            means.update(
+                self.engine.exchange_bucket(items, index, last=last, fuse=self.fuse_rounds)
+            )
         return [means[index] for index in range(len(buckets))]
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:

@@ -124,7 +124,8 @@ class ThinwireEngine:
             communicator = ALLREDUCE if summable else ALLGATHER
         self.communicator = _LocalCommunicator(world, communicator)
         self.engine = GradientExchange(compressor, communicator=self.communicator, history=1)
-        self.engine.step = int(getattr(compressor, "warmup_steps", 0) or 0)  # past warm-up
+        #: the first step measured: past any density warm-up
+        self.first_step = int(getattr(compressor, "warmup_steps", 0) or 0)
         self.fuse_rounds = fuse_rounds
 
     def __call__(self, bucket: Bucket, run: int, last: bool) -> list[Collective]:
@@ -133,13 +134,11 @@ class ThinwireEngine:
             for name, view, param in zip(bucket.names, bucket.views, bucket.params, strict=True)
         ]
         self.communicator.sent = []
-        if self.fuse_rounds:
-            for done, means in self.engine.exchange_fused(items, bucket, last):
-                done.store(means)
-        else:
-            bucket.store(self.engine.exchange(items))
-        if last:
-            self.engine.end_step()
+        step = self.first_step + run
+        for done, means in self.engine.exchange_bucket(
+            items, bucket, last=last, fuse=self.fuse_rounds, step=step
+        ):
+            done.store(means)
         return self.communicator.sent
 
 

@@ -298,9 +298,7 @@ class ParameterServer:
             for index in self.shards[server_rank]:
                 name, p = self.parameters[index]
                 items.append(GradientItem(name, gradient_of(name, p), p))
-            engine.step = self.step_count
-            engine.exchange(items)
-            engine.end_step()
+            engine.exchange_bucket(items, last=True, step=self.step_count)
         for server_rank, link in enumerate(self._links):
             link.finish_sends()
             self._pull(server_rank, link)

@@ -244,16 +244,14 @@ class ShardServer:
 
     def _apply(self, step: int, lr_factor: float, scale: float) -> None:
         """Receive the active workers' payloads, decode, average, step the optimizer."""
-        self.engine.step = step
         items = [GradientItem(n, z) for n, z in zip(self.names, self._zeros, strict=True)]
         try:
-            means = self.engine.exchange(items)
+            ((_, means),) = self.engine.exchange_bucket(items, last=True, step=step)
         except NonFiniteGradientError:
             if not self.fan_in.replies:  # workers wait for an answer: say why there is none
                 for worker in self.fan_in.active:
                     self._send_status(worker, POISONED)
             raise
-        self.engine.end_step()
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * lr_factor
         with torch.no_grad():
