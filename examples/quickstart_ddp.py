@@ -22,7 +22,8 @@ x, y = shard(data.train_x, data.train_y, rank, world)  # this rank's share
 torch.manual_seed(0)  # the same initial weights on every rank
 model = DDP(DigitsMLP())
 opt = torch.optim.SGD(model.parameters(), lr=0.1)  # momentum=0: DGC brings its own
-engine = thinwire.register(model, "dgc", density=0.01, momentum=0.9, optimizer=opt)
+engine = thinwire.register(model, "dgc", density=0.01, momentum=0.9, optimizer=opt,
+                           warmup_steps=20)  # DGC's warm-up: 1000 steps unless told
 loss_fn = torch.nn.CrossEntropyLoss()
 
 for step in range(60):

@@ -101,7 +101,7 @@ def test_dgc_sampled_selection_returns_the_exact_top_k_set(
 ) -> None:
     x = distinct_values(rows, cols, seed)
     k = max(1, round(x.numel() * density))
-    dgc = DGC(density=density, sample_fraction=sample_fraction, seed=seed)
+    dgc = DGC(warmup_steps=0, density=density, sample_fraction=sample_fraction, seed=seed)
     indices = dgc.select(x.reshape(-1), k, Slot("w", 0, 1))
     assert indices.numel() == k
     assert set(indices.tolist()) == exact_topk_set(x, k)
@@ -111,7 +111,7 @@ def test_dgc_sampled_selection_returns_the_exact_top_k_set(
 def test_dgc_uses_the_sampled_threshold_not_a_full_sort() -> None:
     # 100k entries, k = 100, a 1/11 sample: the threshold path, with the word-wise mask scan
     x = distinct_values(200, 500, seed=3)
-    dgc = DGC(density=0.001, sample_fraction=0.1)
+    dgc = DGC(warmup_steps=0, density=0.001, sample_fraction=0.1)
     for step in range(5):
         indices = dgc.select(x.reshape(-1), 100, Slot("w", step, 1))
         assert set(indices.tolist()) == exact_topk_set(x, 100)
@@ -121,13 +121,13 @@ def test_dgc_uses_the_sampled_threshold_not_a_full_sort() -> None:
 
 def test_dgc_retries_with_a_lower_threshold_and_falls_back_to_exact() -> None:
     x = distinct_values(100, 400, seed=4)
-    too_high = DGC(density=0.01, sample_fraction=0.1)
+    too_high = DGC(warmup_steps=0, density=0.01, sample_fraction=0.1)
     too_high.margin_sigmas = -4.0  # aim far above the k-th value: the first try falls short
     indices = too_high.select(x.reshape(-1), 400, Slot("w", 0, 1))
     assert too_high.last_tries >= 2
     assert too_high.last_candidates < x.numel()  # a lower threshold worked: no fallback
     assert set(indices.tolist()) == exact_topk_set(x, 400)
-    never = DGC(density=0.01, sample_fraction=0.1)
+    never = DGC(warmup_steps=0, density=0.01, sample_fraction=0.1)
     never.tries = 0
     indices = never.select(x.reshape(-1), 400, Slot("w", 0, 1))
     assert never.last_candidates == x.numel()  # exact fallback
@@ -140,13 +140,13 @@ def test_dgc_handles_mostly_zero_gradients() -> None:
     x[torch.randperm(100_000, generator=torch.Generator().manual_seed(0))[:300]] = (
         torch.arange(300).float() + 1
     )
-    dgc = DGC(density=0.001)
+    dgc = DGC(warmup_steps=0, density=0.001)
     indices = dgc.select(x, 100, Slot("w", 0, 1))
     assert set(indices.tolist()) == exact_topk_set(x, 100)
 
 
 def test_dgc_buffers_are_reused_across_tensors_of_different_sizes() -> None:
-    dgc = DGC(density=0.01, sample_fraction=0.1)
+    dgc = DGC(warmup_steps=0, density=0.01, sample_fraction=0.1)
     big, small, odd = (
         distinct_values(100, 500, 1),
         distinct_values(30, 40, 2),
@@ -159,7 +159,7 @@ def test_dgc_buffers_are_reused_across_tensors_of_different_sizes() -> None:
 
 
 def test_dgc_mask_padding_from_a_longer_tensor_is_cleared() -> None:
-    dgc = DGC(density=0.05, sample_fraction=0.5)
+    dgc = DGC(warmup_steps=0, density=0.05, sample_fraction=0.5)
     first = distinct_values(100, 100, seed=1)
     first.view(-1)[88:96] = 1000 + torch.arange(8.0)  # sets mask bytes 88..95
     dgc.select(first.reshape(-1), 500, Slot("w", 0, 1))
@@ -183,7 +183,7 @@ def test_wordwise_nonzero_matches_nonzero(n: int, fill: float, seed: int) -> Non
 def test_dgc_compresses_at_least_450x_at_density_0_001() -> None:
     x = distinct_values(100, 1000, seed=0)
     wire: list[int] = []
-    out = run_locally(DGC(density=0.001).exchange(x, Slot("w", 0, 1)), wire)
+    out = run_locally(DGC(warmup_steps=0, density=0.001).exchange(x, Slot("w", 0, 1)), wire)
     assert wire == [100 * 4 + 100 * 4]  # fp32 values + int32 indices
     assert x.numel() * 4 / sum(wire) >= 450
     assert int((out.mean != 0).sum()) == 100
@@ -197,7 +197,11 @@ def test_dgc_warmup_schedule() -> None:
     densities = [dgc.density_at(Slot("w", step, 1)) for step in range(10)]
     assert densities == [0.25] * 2 + [0.0625] * 2 + [0.015625] * 2 + [0.00390625] * 2 + [0.001] * 2
     assert DGC(density=0.3, warmup_steps=8).density_at(Slot("w", 0, 1)) == 0.3
-    assert DGC(density=0.001).density_at(Slot("w", 0, 1)) == 0.001
+    assert DGC(warmup_steps=0, density=0.001).density_at(Slot("w", 0, 1)) == 0.001
+    # by default DGC warms up as the paper trains: 1000 steps from 25 %
+    default = DGC(density=0.001)
+    assert default.warmup_steps == 1000 and default.density_at(Slot("w", 0, 1)) == 0.25
+    assert default.density_at(Slot("w", 999, 1)) > 0.001 == default.density_at(Slot("w", 1000, 1))
     # the warm-up density decides how many entries travel
     x = distinct_values(100, 100, seed=1)
     wire: list[int] = []
@@ -226,10 +230,10 @@ def test_one_dimensional_tensors_go_dense() -> None:
 
 def test_dgc_state_dict_round_trip_continues_the_sample_offsets() -> None:
     x = distinct_values(200, 500, seed=7)
-    first = DGC(density=0.01, sample_fraction=0.05, seed=5)
+    first = DGC(warmup_steps=0, density=0.01, sample_fraction=0.05, seed=5)
     for step in range(3):
         first.select(x.reshape(-1), 1000, Slot("w", step, 1))
-    second = DGC(density=0.01, sample_fraction=0.05, seed=99)
+    second = DGC(warmup_steps=0, density=0.01, sample_fraction=0.05, seed=99)
     second.load_state_dict(first.state_dict())
     counts = []
     for comp in (first, second):
@@ -254,7 +258,10 @@ def residual_of(memory: Memory, key: str) -> Tensor:
     ("comp", "memory"),
     [
         (TopK(density=0.05), ResidualMemory()),
-        (DGC(density=0.05, sample_fraction=0.2), DGCMemory(momentum=0.0, masking=False)),
+        (
+            DGC(warmup_steps=0, density=0.05, sample_fraction=0.2),
+            DGCMemory(momentum=0.0, masking=False),
+        ),
         (RandomK(density=0.05), ResidualMemory()),
         (PowerSGD(rank=2), ResidualMemory()),
         (OneRoundPowerSGD(rank=2), ResidualMemory()),
@@ -284,7 +291,7 @@ def test_error_feedback_conserves_mass(comp: Compressor, memory: Memory) -> None
 def test_dgc_memory_matches_momentum_sgd_at_full_density() -> None:
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(6, 7, generator=gen) for _ in range(6)]
-    dgc = DGC(density=1.0, momentum=0.9, masking=False)
+    dgc = DGC(warmup_steps=0, density=1.0, momentum=0.9, masking=False)
     memory = dgc.make_memory()
     reference = torch.nn.Parameter(torch.zeros(6, 7))
     sgd = torch.optim.SGD([reference], lr=0.1, momentum=0.9)
@@ -300,7 +307,7 @@ def test_dgc_memory_matches_momentum_sgd_at_full_density() -> None:
         torch.testing.assert_close(result.mean, sgd.state[reference]["momentum_buffer"])
     torch.testing.assert_close(weights, reference.detach())
     # with momentum factor masking everything sent resets the velocity: the gradient itself
-    masked = DGC(density=1.0, momentum=0.9, masking=True)
+    masked = DGC(warmup_steps=0, density=1.0, momentum=0.9, masking=True)
     memory = masked.make_memory()
     for step, grad in enumerate(grads):
         slot = Slot("w", step, 1)

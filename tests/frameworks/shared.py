@@ -11,7 +11,7 @@ from thinwire.tasks.digits import DigitsMLP, load_digits_data
 
 #: compressors checked in every framework: deterministic ones resume bit for bit
 COMPRESSORS = {
-    "dgc": {"density": 0.05, "momentum": 0.9},
+    "dgc": {"density": 0.05, "momentum": 0.9, "warmup_steps": 0},  # compressed from step 0
     "powersgd": {"rank": 2},
     "randomk": {"density": 0.1},
 }

@@ -54,8 +54,10 @@ def parse_methods(
     """Methods from a comma-separated list, each with its defaults overridden by
     ``options[name]``; unknown names and options raise an error listing the choices.
 
-    DGC warms up for a tenth of ``steps`` unless told otherwise, and PyTorch's PowerSGD
-    hook runs at the rank of thinwire's ``powersgd`` when both are compared.
+    DGC warms up for a tenth of ``steps`` unless told otherwise (also where ``dga``, a
+    parameter server or an embedding method carries it), so that a benchmark measures its
+    steady state; PyTorch's PowerSGD hook runs at the rank of thinwire's ``powersgd`` when
+    both are compared.
     """
     options = options or {}
     wanted = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
@@ -68,6 +70,11 @@ def parse_methods(
     given = {name: dict(options.get(name, {})) for name in wanted}
     if "dgc" in given:
         given["dgc"].setdefault("warmup_steps", steps // 10)
+    for chosen in given.values():
+        if chosen.get("compressor") == "dgc":
+            carried = dict(chosen.get("compressor_options") or {})
+            carried.setdefault("warmup_steps", steps // 10)
+            chosen["compressor_options"] = carried
     merged = {name: strategy(name).options(given[name]) for name in wanted}
     hook = given.get("ddp-powersgd")
     if (
