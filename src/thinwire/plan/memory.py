@@ -73,8 +73,12 @@ def _storages(stack: list[Any]) -> dict[int, int]:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
-        elif hasattr(item, "__dict__") and not isinstance(item, type):
-            stack.extend(vars(item).values())
+        elif not isinstance(item, type):
+            stack.extend(getattr(item, "__dict__", {}).values())
+            for cls in type(item).__mro__:  # objects with __slots__ (PowerSGDState)
+                slots = cls.__dict__.get("__slots__", ())
+                slots = (slots,) if isinstance(slots, str) else slots
+                stack.extend(getattr(item, s) for s in slots if hasattr(item, s))
     return found
 
 
@@ -96,9 +100,10 @@ def exchange_state_bytes(
     world_size: int,
     options: Mapping[str, Any] | None = None,
 ) -> int:
-    """Bytes the exchange of ``method`` (a strategy name) holds on one rank after two steps
-    on ``params``' shapes: thinwire's memory and compressor, or PyTorch's PowerSGD state.
-    DDP's own buffers are not counted (they are the gradients' size, counted as gradients)."""
+    """Bytes the exchange of ``method`` (a strategy name) holds on one rank after its first
+    compressed step on ``params``' shapes: thinwire's memory and compressor, or PyTorch's
+    PowerSGD state. DDP's own buffers are not counted (they are the gradients' size,
+    counted as gradients)."""
     chosen = strategy(method)
     opts = chosen.options(options)
     params = [(n, p.detach()) for n, p in params]
@@ -115,7 +120,7 @@ def exchange_state_bytes(
     by_name = dict(params)
     buckets = [Bucket(i, [(n, by_name[n]) for n in names]) for i, names in enumerate(groups)]
     generator = torch.Generator().manual_seed(0)
-    for run in range(2):
+    for run in range(getattr(exchanger, "warmup_runs", 1) + 1):  # past a dense start
         for bucket in buckets:
             bucket.fill(generator)
             exchanger(bucket, run, bucket is buckets[-1])

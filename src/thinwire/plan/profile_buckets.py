@@ -1,12 +1,15 @@
 """DDP's gradient buckets, as the cost model takes them: :func:`ddp_buckets` (after DDP's
 first-iteration rebuild: in the order gradients become ready, the first one capped at
-1 MiB, the others at 25 MiB, or one limit per bucket), and :func:`bucket_groups` for a
-``bucket_cap_mb`` as the bench takes it (a size, or ``"tapered"``)."""
+1 MiB, the others at 25 MiB, or one limit per bucket), :func:`bucket_groups` for a
+``bucket_cap_mb`` as the bench takes it (a size, or ``"tapered"``), and :class:`Bucket`,
+one bucket's buffer as a DDP hook sees it, with the :data:`Exchanger` type that exchanges
+one."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from thinwire.data_parallel.buckets import (
@@ -16,6 +19,7 @@ from thinwire.data_parallel.buckets import (
     assign_buckets,
     bucket_limits_mb,
 )
+from thinwire.plan.network import Collective
 
 #: DDP's defaults (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``)
 FIRST_BUCKET_MB, BUCKET_CAP_MB = DDP_DEFAULT_LIMITS_MB
@@ -77,3 +81,32 @@ def bucket_groups(
     names = _ready_names(params, order)
     limits = bucket_limits_mb(spec, [sizes[n] for n in names])
     return ddp_buckets(params, names, limits_mb=limits)
+
+
+class Bucket:
+    """A DDP-style bucket: one flat fp32 buffer, a view per parameter."""
+
+    def __init__(self, index: int, params: Sequence[tuple[str, Tensor]]) -> None:
+        self.index = index
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.numel = sum(p.numel() for p in self.params)
+        self.buffer = torch.empty(self.numel, dtype=torch.float32)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+    def fill(self, generator: torch.Generator) -> None:
+        """Fresh random gradients (small, like real ones)."""
+        self.buffer.copy_(torch.randn(self.numel, generator=generator)).mul_(1e-3)
+
+    def store(self, means: Sequence[Tensor]) -> None:
+        """Write the averaged gradients into the bucket, as a DDP hook's future does."""
+        for view, mean in zip(self.views, means, strict=True):
+            view.copy_(mean)
+
+
+#: exchanges one bucket: ``(bucket, run, last)`` -> the collectives it issued (``run``: the
+#: step's index; ``last``: the step's last bucket); the averaged gradients land in the bucket
+Exchanger = Callable[[Bucket, int, bool], list[Collective]]

@@ -1,10 +1,10 @@
 """How each method exchanges one DDP-style bucket, replayed in this process without peers.
 
-- :class:`Bucket`: a flat fp32 buffer with a view per parameter, as a DDP hook sees it.
-- :func:`build_exchanger`: a method's :data:`Exchanger`: DDP's all-reduce, a copy of
-  PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` tensor math, or thinwire's own
-  exchange engine (:class:`ThinwireEngine`: memory, protocols, rounds fused across
-  buckets) on a local communicator.
+:func:`build_exchanger`: a method's :data:`~thinwire.plan.profile_buckets.Exchanger`:
+DDP's all-reduce, PyTorch's own ``fp16_compress_hook`` and ``powerSGD_hook`` called on the
+bucket (:mod:`thinwire.plan.profile_torch_hooks`), or thinwire's own exchange engine
+(:class:`ThinwireEngine`: memory, protocols, rounds fused across buckets) on a local
+communicator.
 
 No ``torch.distributed`` process group is needed: collectives are answered locally (a sum
 is ``world_size`` copies of this rank's payload, a gather ``world_size`` payloads), and
@@ -13,46 +13,18 @@ what they would have sent is recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
 from thinwire.plan.network import ALLGATHER, ALLREDUCE, Collective
+from thinwire.plan.profile_buckets import Bucket, Exchanger
+from thinwire.plan.profile_torch_hooks import TorchHook
 from thinwire.strategies.compressed import split_communicator
-
-
-class Bucket:
-    """A DDP-style bucket: one flat fp32 buffer, a view per parameter."""
-
-    def __init__(self, index: int, params: Sequence[tuple[str, Tensor]]) -> None:
-        self.index = index
-        self.names = [n for n, _ in params]
-        self.params = [p for _, p in params]
-        self.numel = sum(p.numel() for p in self.params)
-        self.buffer = torch.empty(self.numel, dtype=torch.float32)
-        self.views, offset = [], 0
-        for p in self.params:
-            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-
-    def fill(self, generator: torch.Generator) -> None:
-        """Fresh random gradients (small, like real ones)."""
-        self.buffer.copy_(torch.randn(self.numel, generator=generator)).mul_(1e-3)
-
-    def store(self, means: Sequence[Tensor]) -> None:
-        """Write the averaged gradients into the bucket, as a DDP hook's future does."""
-        for view, mean in zip(self.views, means, strict=True):
-            view.copy_(mean)
-
-
-#: exchanges one bucket: ``(bucket, run, last)`` -> the collectives it issued (``run``: the
-#: step's index; ``last``: the step's last bucket); the averaged gradients land in the bucket
-Exchanger = Callable[[Bucket, int, bool], list[Collective]]
 
 
 def build_exchanger(
@@ -64,20 +36,13 @@ def build_exchanger(
     if costing == "dense":
         return lambda bucket, run, last: [Collective(ALLREDUCE, bucket.numel * 4)]
     if costing == "torch-fp16":
-        return lambda bucket, run, last: _fp16_hook(bucket, world)
+        return TorchHook.fp16(world)
     if costing == "torch-powersgd":
-        return _TorchPowerSGD(options, world)
+        return TorchHook.powersgd(options, world)
     from thinwire.compress.registry import compressor as build
 
     options_of_compressor, communicator = split_communicator(options)
     return ThinwireEngine(build(method, **options_of_compressor), world, fuse_rounds, communicator)
-
-
-def _fp16_hook(bucket: Bucket, world: int) -> list[Collective]:
-    """What ``fp16_compress_hook`` does around its all-reduce."""
-    half = bucket.buffer.to(torch.float16).div_(world)
-    bucket.buffer.copy_(half)
-    return [Collective(ALLREDUCE, half.numel() * half.element_size())]
 
 
 class _LocalCommunicator(Communicator):
@@ -153,78 +118,3 @@ def _answer(request: Request, world: int) -> Any:
 
 def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-class _TorchPowerSGD:
-    """The tensor math of PyTorch's ``powerSGD_hook`` past ``start_powerSGD_iter`` (error
-    feedback, warm start), with its three chained all-reduces per bucket: the uncompressed
-    tensors, the P factors, the Q factors (empty ones are not counted)."""
-
-    def __init__(self, options: Mapping[str, Any], world: int) -> None:
-        self.rank = int(options["matrix_approximation_rank"])
-        self.min_rate = float(options.get("min_compression_rate", 2))
-        self.error_feedback = bool(options.get("use_error_feedback", True))
-        self.warm_start = bool(options.get("warm_start", True))
-        self.epsilon = float(options.get("orthogonalization_epsilon", 0))
-        self.world = world
-        self.errors: dict[int, Tensor] = {}
-        self.qs: dict[int, Tensor] = {}
-
-    def __call__(self, bucket: Bucket, run: int, last: bool) -> list[Collective]:
-        buffer = bucket.buffer
-        copy = None
-        if self.error_feedback:
-            if bucket.index in self.errors:
-                buffer.add_(self.errors[bucket.index])
-            copy = buffer.clone()
-        matrices, plain = [], []
-        for view in bucket.views:
-            n = view.shape[0] if view.dim() else 1
-            m = view.numel() // max(n, 1)
-            r = min(n, m, self.rank)
-            if (n + m) * r * self.min_rate < n * m:
-                matrices.append((view.reshape(1, n, m), r))
-            else:
-                plain.append(view)
-        flat_plain = torch.cat([t.reshape(-1) for t in plain]) if plain else buffer[:0]
-        p_size = sum(mat.shape[1] * r for mat, r in matrices)
-        q_size = sum(mat.shape[2] * r for mat, r in matrices)
-        q_memory = self.qs.get(bucket.index)
-        if q_memory is None or not self.warm_start:
-            q_memory = torch.randn(q_size)
-        p_memory = torch.empty(p_size)
-        ps, qs, p_at, q_at = [], [], 0, 0
-        for mat, r in matrices:
-            _, n, m = mat.shape
-            ps.append(p_memory[p_at : p_at + n * r].view(1, n, r))
-            qs.append(q_memory[q_at : q_at + m * r].view(1, m, r))
-            p_at, q_at = p_at + n * r, q_at + m * r
-        for q in qs:
-            _orthogonalize(q, self.epsilon)
-        for (mat, _), q, p in zip(matrices, qs, ps, strict=True):
-            torch.bmm(mat, q, out=p)
-        flat_plain.mul_(self.world).div_(self.world)  # the summed uncompressed tensors
-        offset = 0
-        for t in plain:
-            t.copy_(flat_plain[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        p_memory.mul_(self.world)  # the summed P
-        for p in ps:
-            _orthogonalize(p, self.epsilon)
-        for (mat, _), p, q in zip(matrices, ps, qs, strict=True):
-            torch.bmm(mat.transpose(1, 2), p, out=q)
-        q_memory.mul_(self.world).div_(self.world)  # the summed Q, averaged
-        for (mat, _), p, q in zip(matrices, ps, qs, strict=True):
-            torch.bmm(p, q.transpose(1, 2), out=mat)
-        if copy is not None:
-            self.errors[bucket.index] = copy - buffer
-        self.qs[bucket.index] = q_memory
-        sizes = (flat_plain.numel() * 4, p_size * 4, q_size * 4)
-        return [Collective(ALLREDUCE, nbytes) for nbytes in sizes if nbytes]
-
-
-def _orthogonalize(matrices: Tensor, epsilon: float) -> None:
-    """PyTorch's own orthogonalisation (Gram-Schmidt for rank <= 2, QR above)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-    powerSGD_hook._orthogonalize(matrices, epsilon)

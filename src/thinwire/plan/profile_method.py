@@ -5,7 +5,7 @@ the CPU time of its compression and decompression, on random gradients of the mo
 shapes; for the embedding methods, also the tables' traffic, from the ids the task's
 batches look up (:mod:`thinwire.plan.embedding`). thinwire's methods run through
 thinwire's own exchange engine (memory, protocols, rounds fused across buckets); PyTorch's
-hooks through a copy of their tensor math (:mod:`thinwire.plan.profile_exchangers`).
+hooks by calling them (:mod:`thinwire.plan.profile_torch_hooks`).
 Gathered payloads are decoded ``world_size`` times, as every rank decodes every rank's
 payload.
 """
@@ -185,10 +185,10 @@ def _measure_buckets(
     *,
     timed: bool,
 ) -> list[BucketCost]:
-    """Run ``exchanger`` on the buckets of ``groups``, in order, for one warm-up step and
-    ``repeats`` timed steps on fresh random gradients: each bucket's collectives and, if
-    ``timed``, its median compression time; ``ready_of(names)`` is when the bucket is ready
-    (default: 1.0). The collectives are those of the timed step that sent the most: a
+    """Run ``exchanger`` on the buckets of ``groups``, in order, for its warm-up steps (one,
+    or its ``warmup_runs``) and ``repeats`` timed steps on fresh random gradients: each
+    bucket's collectives and, if ``timed``, its median compression time;
+    ``ready_of(names)`` is when the bucket is ready (default: 1.0). The collectives are those of the timed step that sent the most: a
     compressor whose traffic alternates between steps (``powersgd-oneround`` with
     ``alternate``) is modelled at its heavier step whatever ``repeats`` is."""
     by_name = dict(params)
@@ -198,16 +198,17 @@ def _measure_buckets(
     ]
     times: list[list[float]] = [[] for _ in buckets]
     steps: list[list[list[Collective]]] = []
+    warmup = getattr(exchanger, "warmup_runs", 1)  # PyTorch's PowerSGD starts dense
     with one_thread():
-        for run in range(repeats + 1):
+        for run in range(warmup + repeats):
             step: list[list[Collective]] = []
             for bucket in buckets:
                 bucket.fill(generator)
                 started = time.perf_counter()
                 step.append(exchanger(bucket, run, bucket is buckets[-1]))
-                if run:
+                if run >= warmup:
                     times[bucket.index].append(time.perf_counter() - started)
-            if run:
+            if run >= warmup:
                 steps.append(step)
     collectives = max(steps, key=lambda step: sum(c.nbytes for b in step for c in b))
     return [
