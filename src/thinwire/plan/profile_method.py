@@ -189,8 +189,9 @@ def _measure_buckets(
     or its ``warmup_runs``) and ``repeats`` timed steps on fresh random gradients: each
     bucket's collectives and, if ``timed``, its median compression time;
     ``ready_of(names)`` is when the bucket is ready (default: 1.0). The collectives are
-    those of the timed step that sent the most: a compressor whose traffic alternates between steps (``powersgd-oneround`` with
-    ``alternate``) is modelled at its heavier step whatever ``repeats`` is."""
+    those of the timed step that sent the most: a compressor whose traffic alternates
+    between steps (``powersgd-oneround`` with ``alternate``) is modelled at its heavier
+    step whatever ``repeats`` is."""
     by_name = dict(params)
     generator = torch.Generator().manual_seed(seed)
     buckets = [
