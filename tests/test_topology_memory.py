@@ -31,7 +31,7 @@ def test_a_group_runs_at_the_slowest_link_it_crosses() -> None:
 
 def test_groups_crossing_the_network_at_once_share_it() -> None:
     net = Link(100e6, 1e-3, store_and_forward=False)  # a step's latency without the rate
-    topology = Topology(hosts=2, ranks_per_host=4, inter=net)
+    topology = Topology(hosts=2, ranks_per_host=4, inter=net, intra=HOST)
     alone = topology.time(ALLREDUCE, 40e6, [0, 4])
     four = topology.time(ALLREDUCE, 40e6, [0, 4], sharing=4)
     bandwidth_part = alone - 2 * net.step_latency_s
@@ -45,8 +45,8 @@ def test_the_flat_topology_is_the_data_parallel_model() -> None:
 
 def test_bad_topologies_and_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
-        Topology(hosts=2, ranks_per_host=0, inter=NET)
-    topology = Topology(hosts=2, ranks_per_host=2, inter=NET)
+        Topology(hosts=2, ranks_per_host=0, inter=NET, intra=HOST)
+    topology = Topology(hosts=2, ranks_per_host=2, inter=NET, intra=HOST)
     with pytest.raises(ValueError, match="rank 4 is not in this topology of 4 ranks"):
         topology.time(ALLREDUCE, 1e3, [0, 4])
     with pytest.raises(ValueError, match="distinct ranks"):

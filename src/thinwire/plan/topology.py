@@ -9,7 +9,8 @@ inside a host are idle most of the ring). When several groups cross the network 
 (the data-parallel groups of several tensor shards, say), they share each host's link:
 ``sharing`` divides its bandwidth.
 
-    topology = Topology(hosts=2, ranks_per_host=4, inter=Link(100e6, 1e-3))
+    topology = Topology(hosts=2, ranks_per_host=4, inter=Link(100e6, 1e-3),
+                        intra=Link(10e9, 5e-6))                # as measured on your hosts
     topology.time("allreduce", 40e6, ranks=[0, 4])             # a dp group across hosts
     topology.time("allreduce", 8e6, ranks=[0, 1, 2, 3])        # a tp group inside a host
 
@@ -20,13 +21,9 @@ The data-parallel step of :mod:`thinwire.plan.cost` is the topology of one rank 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from thinwire.plan.network import Link, collective_time, wire_bytes
-
-#: a host's own link when none is given: shared memory over loopback, about 40 Gbit/s and
-#: 20 us per step as gloo reaches it on one machine (an order of magnitude, not a measure)
-LOOPBACK = Link(40e9, 10e-6, mtu=65536, store_and_forward=False)
 
 
 @dataclass(frozen=True)
@@ -37,7 +34,7 @@ class Topology:
     hosts: int
     ranks_per_host: int
     inter: Link
-    intra: Link = field(default=LOOPBACK)
+    intra: Link
 
     def __post_init__(self) -> None:
         for name in ("hosts", "ranks_per_host"):
@@ -48,7 +45,7 @@ class Topology:
     @classmethod
     def flat(cls, world_size: int, link: Link) -> Topology:
         """One rank per host, every pair joined by ``link``: the data-parallel model's."""
-        return cls(hosts=world_size, ranks_per_host=1, inter=link)
+        return cls(hosts=world_size, ranks_per_host=1, inter=link, intra=link)
 
     @property
     def world_size(self) -> int:

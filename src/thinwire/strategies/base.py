@@ -101,8 +101,6 @@ class Strategy(ABC):
     synchronised: ClassVar[bool] = True
     #: whether it moves embedding tables sparsely (needs a task with nn.Embedding layers)
     embedding: ClassVar[bool] = False
-    #: whether it runs under DDP (DDP's buffer broadcast and buckets apply)
-    under_ddp: ClassVar[bool] = True
     #: its options and their defaults (validated by :meth:`options`)
     defaults: ClassVar[Mapping[str, Any]] = {}
 

@@ -27,7 +27,6 @@ class Local(Strategy):
     name = "local"
     summary = "no exchange: one worker's compute only"
     costing = "none"
-    under_ddp = False
 
     def wrap(self, model, optimizer, options, setup):  # type: ignore[no-untyped-def]
         """The model and optimizer as they are."""

@@ -26,7 +26,6 @@ class Delayed(CarriesCompressor):
     costing = "wrapper"
     schedule = "dga"
     synchronised = False
-    under_ddp = False
     defaults: ClassVar[Mapping[str, Any]] = {
         "delay": 2,
         "lanes": 2,

@@ -34,7 +34,6 @@ class _Served(CarriesCompressor):
     """Workers push (compressed) gradients to the shards and pull the new weights."""
 
     costing = "wrapper"
-    under_ddp = False
     mode = "sync"
 
     def wrap(self, model, optimizer, options, setup):  # type: ignore[no-untyped-def]
