@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from thinwire.comm.agreement import parameter_layout, ranks_differing
 from thinwire.comm.checkpoint import (
@@ -467,10 +468,15 @@ class GradientExchange:
 
 def gradient_of(name: str, param: Tensor) -> Tensor:
     """``param``'s gradient, made zeros where it has none (so every rank issues the same
-    collectives); a sparse gradient is refused with what to do."""
+    collectives); a sparse gradient is refused with what to do. A tensor-parallel shard's
+    gradient (a ``DTensor``) gives this rank's part, which is what its data-parallel peers
+    (holding the same shard) average."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    elif param.grad.layout != torch.strided:
+    if isinstance(param.grad, DTensor):
+        with torch.no_grad():
+            return param.grad.to_local()
+    if param.grad.layout != torch.strided:
         raise TypeError(
             f"the gradient of {name!r} is sparse ({param.grad.layout}), as nn.Embedding("
             "sparse=True) makes it; thinwire exchanges dense gradients. Build the layer with "

@@ -1,0 +1,120 @@
+"""The trainer :func:`thinwire.parallelize` returns: one optimizer step on a global batch,
+evaluation, and the whole model's weights.
+
+Every rank passes the same global batch; each data-parallel rank takes its slice (rank
+``i`` of ``dp`` the ``i``-th of ``dp`` equal parts), the pipeline cuts it into micro-batches.
+The loss returned (on every rank) is the global batch's mean: the mean over the slices of
+each slice's mean over its micro-batches.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from thinwire.comm.collectives import gather_bytes, run_collective
+from thinwire.parallel.loss import LossFn
+from thinwire.parallel.pipeline import Pipeline
+from thinwire.parallel.plan import ParallelPlan
+from thinwire.parallel.stages import StageModule, model_name
+from thinwire.parallel.tied import TiedGradients
+
+
+class ParallelTrainer:
+    """Trains a model cut and sharded by a :class:`~thinwire.ParallelPlan`.
+
+    Attributes:
+        plan: the plan.
+        mesh: the device mesh ``("pp", "dp", "tp")``.
+        stages: the stage modules this rank runs (tensor-parallel shards under ``tp > 1``).
+        optimizer: what is stepped (a :class:`~thinwire.DistributedOptimizer` when ``dp > 1``).
+    """
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        mesh: DeviceMesh,
+        stages: Sequence[StageModule],
+        pipeline: Pipeline,
+        optimizer: torch.optim.Optimizer,
+        loss: LossFn,
+        tied: TiedGradients,
+    ) -> None:
+        self.plan, self.mesh, self.stages, self.tied = plan, mesh, list(stages), tied
+        self.pipeline, self.optimizer, self.loss = pipeline, optimizer, loss
+        self.steps = 0
+
+    @property
+    def engine(self):
+        """The data-parallel exchange engine (``None`` when ``dp == 1``)."""
+        return getattr(self.optimizer, "engine", None)
+
+    def _slice(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        if inputs.shape[0] != targets.shape[0]:
+            raise ValueError(
+                f"inputs hold {inputs.shape[0]} samples but targets {targets.shape[0]}: pass "
+                "the same global batch of both"
+            )
+        self.plan.check_batch(inputs.shape[0])
+        share = inputs.shape[0] // self.plan.dp
+        start = self.mesh["dp"].get_local_rank() * share
+        return inputs[start : start + share], targets[start : start + share]
+
+    def step(self, inputs: Tensor, targets: Tensor) -> float:
+        """One optimizer step on the global batch (the same on every rank); its mean loss."""
+        x, y = self._slice(inputs, targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        for stage in self.stages:
+            stage.train()
+        local = self.pipeline.train(x, y)
+        self.tied.sum_gradients()
+        self.optimizer.step()
+        self.steps += 1
+        return self._global_mean(local)
+
+    def evaluate(self, inputs: Tensor, targets: Tensor) -> float:
+        """The global batch's mean loss, without gradients or a step."""
+        x, y = self._slice(inputs, targets)
+        for stage in self.stages:
+            stage.eval()
+        return self._global_mean(self.pipeline.evaluate(x, y))
+
+    def _global_mean(self, local: Tensor | None) -> float:
+        """The mean over the data-parallel slices of the last stage's losses, on every rank
+        (one all-reduce of one number)."""
+        counts = local is not None and self.mesh["tp"].get_local_rank() == 0
+        value = torch.tensor([float(local) if counts else 0.0], dtype=torch.float64)
+        run_collective("the loss all-reduce", dist.all_reduce, value)
+        return float(value) / self.plan.dp
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter and buffer whole, named as in the model given to ``parallelize``,
+        the same dict on every rank. Collective: every rank calls it."""
+        own: dict[str, Tensor] = {}
+        for stage in self.stages:
+            for name, value in stage.state_dict().items():
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                own[model_name(name)] = value.detach().clone()
+        keeps = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        buffer = io.BytesIO()
+        if keeps:
+            torch.save(own, buffer)
+        merged: dict[str, Tensor] = {}
+        for data in gather_bytes(buffer.getvalue(), None, "gathering the full state dict"):
+            if data:
+                merged.update(torch.load(io.BytesIO(data), weights_only=True))
+        return merged
+
+    def close(self) -> None:
+        """Stop the exchange thread (the trainer is unusable afterwards). The mesh's
+        groups stay until ``dist.destroy_process_group()``: DTensor caches layouts by the
+        mesh's shape, so a later mesh of the same shape may still name this one's groups."""
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,204 @@
+"""Hybrid parallelism equals single-process training: for plans (dp, pp, tp) over 8 gloo
+ranks, each schedule and 1 or 4 micro-batches, 5 AdamW steps give the losses and final
+weights (``full_state_dict()``) of one process training on the same global batches.
+
+CI runs a subset that covers every plan, schedule and model at least once;
+``THINWIRE_PARITY=full`` runs the whole matrix of the issue (about 100 runs).
+
+Tolerances: losses rtol 1e-4. Weights rtol 1e-4 with atol 5e-5 (5 % of one step: the
+learning rate is 1e-3): AdamW divides each gradient by its own running magnitude, so a
+weight whose true gradient is about zero (a key projection's bias: softmax ignores it)
+steps by about the learning rate on rounding noise alone, in a direction that depends on
+the summation order. With SGD the weights agree to rtol 1e-4, atol 1e-6
+(``test_sgd_weights_agree_tightly``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+from tests.conftest import RestartingPool
+from torch import nn
+
+from thinwire.parallel import ParallelPlan, parallelize
+from thinwire.parallel.loss import token_cross_entropy
+from thinwire.tasks.transformer import TransformerConfig, TransformerLM
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1800)]
+
+WORLD = 8
+STEPS = 5
+BATCH = 32  # divisible by dp * microbatches for every plan
+SEQ = 16
+VOCAB = 64
+LR = 1e-3
+PLANS = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (4, 2, 1), (2, 1, 4), (1, 2, 4), (2, 4, 1)]
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+MODELS = ("gpt", "llama", "hf-llama", "hf-gpt2")
+
+
+def blocks_for(pp: int) -> int:
+    """Blocks enough for every schedule of ``pp`` stages (interleaving needs 2 per rank),
+    and no more: each block costs tensor-parallel all-reduces, and 8 ranks share 2 cores."""
+    return max(4, 2 * pp)
+
+
+def build_model(kind: str, layers: int) -> nn.Module:
+    """A model of ``kind`` with ``layers`` blocks, the same on every call (seeded)."""
+    torch.manual_seed(0)
+    if kind in ("gpt", "llama"):
+        config = TransformerConfig(
+            style=kind, vocab=VOCAB, dim=32, layers=layers, heads=4, max_seq=SEQ
+        )
+        return TransformerLM(config)
+    warnings.filterwarnings("ignore")
+    if kind == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(
+            LlamaConfig(
+                num_hidden_layers=layers,
+                hidden_size=32,
+                intermediate_size=64,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                vocab_size=VOCAB,
+                max_position_embeddings=SEQ,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+            )
+        )
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=layers,
+            n_embd=32,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
+def batches() -> list[torch.Tensor]:
+    """The global batches (tokens and next tokens in one tensor)."""
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+
+
+def make_optimizer(kind: str):
+    """AdamW (or SGD) over ``params``."""
+    if kind == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.5)
+    return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+
+def logits_of(output) -> torch.Tensor:
+    """A Hugging Face output's ``.logits``, or the tensor itself."""
+    return getattr(output, "logits", output)
+
+
+@cache
+def reference(
+    kind: str, layers: int, optimizer: str = "adamw"
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Single-process training on the same batches: losses and final weights."""
+    model = build_model(kind, layers)
+    opt = make_optimizer(optimizer)(model.parameters())
+    losses = []
+    for batch in batches():
+        opt.zero_grad()
+        loss = token_cross_entropy(logits_of(model(batch[:, :-1])), batch[:, 1:])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def train_parallel(rank: int, world: int, kind: str, plan: ParallelPlan, optimizer: str):
+    """On every rank: 5 steps under ``plan``; the losses, and rank 0's full weights."""
+    model = build_model(kind, blocks_for(plan.pp))
+    trainer = parallelize(model, plan, optimizer=make_optimizer(optimizer))
+    losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()]
+    full = trainer.full_state_dict()
+    trainer.close()
+    weights = {k: v.numpy().copy() for k, v in full.items()} if rank == 0 else None
+    return losses, weights
+
+
+def configs(full: bool) -> list[tuple[str, tuple[int, int, int], str, int]]:
+    """(model, plan, schedule, micro-batches): the whole matrix, or CI's covering subset."""
+    if full:
+        out = []
+        for kind in MODELS:
+            for dp, pp, tp in PLANS:
+                if kind == "hf-gpt2" and tp > 1:
+                    continue  # refused: its fused Conv1D attention (tested below)
+                for schedule in SCHEDULES if pp > 1 else ("1f1b",):
+                    for microbatches in (1, 4):
+                        if schedule == "1f1b" and microbatches < pp:
+                            continue  # refused by ParallelPlan (test_parallel_plan.py)
+                        out.append((kind, (dp, pp, tp), schedule, microbatches))
+        return out
+    return [
+        ("gpt", (2, 2, 2), "1f1b", 4),
+        ("gpt", (8, 1, 1), "1f1b", 1),
+        ("gpt", (1, 8, 1), "interleaved-1f1b", 4),
+        ("gpt", (1, 2, 4), "gpipe", 1),
+        ("llama", (2, 1, 4), "1f1b", 4),
+        ("llama", (4, 2, 1), "interleaved-1f1b", 4),
+        ("llama", (2, 4, 1), "1f1b", 4),
+        ("llama", (2, 2, 2), "gpipe", 4),
+        ("hf-llama", (2, 2, 2), "interleaved-1f1b", 4),
+        ("hf-llama", (1, 2, 4), "gpipe", 1),
+        ("hf-gpt2", (2, 4, 1), "1f1b", 4),
+        ("hf-gpt2", (4, 2, 1), "gpipe", 1),
+    ]
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    """Eight gloo ranks on 127.0.0.1, shared by this module's tests."""
+    pool = RestartingPool(WORLD)
+    yield pool
+    pool.close()
+
+
+def check_against_reference(results, kind: str, pp: int, optimizer: str, atol: float) -> None:
+    expected_losses, expected = reference(kind, blocks_for(pp), optimizer)
+    for losses, _ in results:  # every rank returns the global loss
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    weights = results[0][1]
+    assert set(weights) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(weights[name], value, rtol=1e-4, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "kind,degrees,schedule,microbatches",
+    configs(os.environ.get("THINWIRE_PARITY") == "full"),
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_plan_equals_single_process(pool8, kind, degrees, schedule, microbatches) -> None:
+    dp, pp, tp = degrees
+    plan = ParallelPlan(dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule)
+    results = pool8.run(train_parallel, kind, plan, "adamw", timeout=300)
+    check_against_reference(results, kind, pp, "adamw", atol=5e-5)
+
+
+def test_sgd_weights_agree_tightly(pool8) -> None:
+    plan = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4, schedule="interleaved-1f1b")
+    results = pool8.run(train_parallel, "llama", plan, "sgd", timeout=300)
+    check_against_reference(results, "llama", 2, "sgd", atol=1e-6)
