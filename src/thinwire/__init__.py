@@ -5,6 +5,7 @@ thinwire.compressors()                              # names and one-line summari
 engine = thinwire.register(ddp_model, "dgc", density=0.001)   # DDP hook
 opt = thinwire.DistributedOptimizer(torch.optim.SGD(...), model, "powersgd", rank=2)
 ddp = DistributedDataParallel(model, bucket_cap_mb_list=thinwire.tapered_buckets(model))
+trainer = thinwire.parallelize(model, thinwire.ParallelPlan(dp=2, pp=2, tp=2), optimizer=...)
 """
 
 from thinwire.comm import GradientExchange, StepStats
@@ -23,6 +24,7 @@ from thinwire.errors import (
     RankMismatchError,
     ThinwireError,
 )
+from thinwire.parallel import ModelLayout, ParallelPlan, ParallelTrainer, parallelize
 
 __all__ = [
     "CommunicationError",
@@ -31,13 +33,17 @@ __all__ = [
     "DistributedOptimizer",
     "GradientExchange",
     "IncompatibleCompressorError",
+    "ModelLayout",
     "NonFiniteGradientError",
+    "ParallelPlan",
+    "ParallelTrainer",
     "ParameterServer",
     "RankMismatchError",
     "StepStats",
     "ThinwireError",
     "compressor",
     "compressors",
+    "parallelize",
     "register",
     "register_compressor",
     "tapered_buckets",

@@ -34,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--options", default="", help="JSON per method: '{\"dgc\": {...}}'")
     parser.add_argument(
+        "--plans",
+        default="",
+        help="hybrid-parallel plans to train side by side instead of --methods (task gpt), "
+        "e.g. '8x1x1 2x2x2/mb4:powersgd(rank=4)' (DPxPPxTP[/mbN][/SCHEDULE][:METHOD(k=v)])",
+    )
+    parser.add_argument(
         "--servers",
         type=int,
         default=None,
@@ -143,6 +149,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     from thinwire.tasks import task_class
 
     console = Console() if sys.stdout.isatty() else Console(width=150)  # whole table in logs
+    if args.plans:
+        return run_plans_from_args(args, console)
     try:
         task_class(args.task)
         options = _json_option("--options", args.options)
@@ -210,4 +218,32 @@ def run_from_args(args: argparse.Namespace) -> int:
     picture = plot(records, out / "bench.png")
     written = "results.json" + (" and repeats.json" if config.repeats > 1 else "")
     console.print(f"results: {out}/{written}   plots: {picture}")
+    return 0
+
+
+def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
+    """``thinwire bench --plans``: train hybrid-parallel plans side by side (real compute)."""
+    from thinwire.bench.hybrid import HybridConfig, plot_losses, run_hybrid
+    from thinwire.bench.plans import parse_plans
+
+    try:
+        config = HybridConfig(
+            task=args.task,
+            plans=tuple(parse_plans(args.plans)),
+            steps=args.steps,
+            lr=args.lr if args.lr is not None else 3e-3,
+            task_options=_json_option("--task-options", args.task_options) or {},
+            timeout_s=args.timeout,
+        )
+    except (ValueError, TypeError) as error:
+        console.print(f"[red]error:[/] {escape(str(error))}")
+        return 2
+    out = Path(args.out)
+    try:
+        records = run_hybrid(config, out, console.print)
+    except (RuntimeError, OSError) as error:
+        console.print(f"[red]error:[/] {escape(str(error))}")
+        return 1
+    picture = plot_losses(records, out / "losses.png")
+    console.print(f"results: {out}/results.json   plot: {picture}")
     return 0

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from thinwire.comm.framing import frame, split_bytes
 from thinwire.compress.base import Aggregation, Compressor, Op, Request, all_finite
-from thinwire.errors import CommunicationError, IncompatibleCompressorError
+from thinwire.errors import CommunicationError, IncompatibleCompressorError, ThinwireError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -303,6 +303,28 @@ def run_collective(
             f"timed out (process group timeout: {group_timeout(group)}): a peer rank has "
             f"probably died, diverged or stalled; check the other ranks' output. ({error})"
         ) from error
+
+
+#: what the backends' messages say when a peer died or stalled (some of their errors, such
+#: as gloo's on a point-to-point send, are plain RuntimeErrors)
+_TRANSPORT_SIGNS = ("gloo", "nccl", "timed out", "connection closed", "connection reset")
+
+
+def is_transport_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed or timed-out collective or send, not a bug in the
+    caller's code (thinwire's own errors are not: they already say what happened). The
+    errors it was raised from count too (PyTorch's pipeline wraps a stage's failure)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ThinwireError):
+            return False
+        if isinstance(seen, dist.DistError):
+            return True
+        text = str(seen).lower()
+        if isinstance(seen, RuntimeError) and any(sign in text for sign in _TRANSPORT_SIGNS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def gather_bytes(data: bytes, group: dist.ProcessGroup | None, what: str) -> list[bytes]:

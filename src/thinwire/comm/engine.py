@@ -4,11 +4,9 @@
 optimizer wrapper) over the ranks. For every tensor it compensates with the error-feedback
 memory, starts the compressor's exchange protocol (or the dense one for tensors the
 compressor declines), then drives all protocols in lock-step: each round's requests go to
-the communicator together, fused into one collective per kind (with
-:meth:`~GradientExchange.exchange_fused`, together with the next rounds of the buckets
-before it). Afterwards the memory keeps what was not sent. It also keeps the step
-counter, per-step statistics and the state that a checkpoint needs, and owns the thread
-that runs exchanges in order.
+the communicator together, one collective per kind (with :meth:`exchange_fused`, with the
+next rounds of the buckets before it). Afterwards the memory keeps what was not sent. It
+keeps the step counter, statistics and checkpoint state, and owns the exchange thread.
 """
 
 from __future__ import annotations
@@ -468,14 +466,12 @@ class GradientExchange:
 
 def gradient_of(name: str, param: Tensor) -> Tensor:
     """``param``'s gradient, made zeros where it has none (so every rank issues the same
-    collectives); a sparse gradient is refused with what to do. A tensor-parallel shard's
-    gradient (a ``DTensor``) gives this rank's part, which is what its data-parallel peers
-    (holding the same shard) average."""
+    collectives); a sparse gradient is refused with what to do; a ``DTensor``'s gives this
+    rank's shard (what its data-parallel peers, holding the same shard, average)."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     if isinstance(param.grad, DTensor):
-        with torch.no_grad():
-            return param.grad.to_local()
+        return param.grad.to_local()
     if param.grad.layout != torch.strided:
         raise TypeError(
             f"the gradient of {name!r} is sparse ({param.grad.layout}), as nn.Embedding("

@@ -23,7 +23,13 @@ def _positions(x: Tensor) -> Tensor:
 
 
 def _causal_mask(model: nn.Module, hidden: Tensor) -> Any:
-    from transformers.masking_utils import create_causal_mask
+    try:
+        from transformers.masking_utils import create_causal_mask
+    except ImportError as error:
+        raise ImportError(
+            "thinwire runs Hugging Face blocks with transformers.masking_utils, which this "
+            "transformers lacks: upgrade it (tested with 5.23)"
+        ) from error
 
     return create_causal_mask(
         config=model.config,

@@ -9,16 +9,26 @@ each slice's mean over its micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from thinwire.comm.collectives import gather_bytes, run_collective
+from thinwire.comm.collectives import (
+    gather_bytes,
+    group_timeout,
+    is_transport_failure,
+    run_collective,
+)
+from thinwire.errors import CommunicationError
+from thinwire.parallel.checkpoint import collect_state, load_checkpoint, save_checkpoint
 from thinwire.parallel.loss import LossFn
 from thinwire.parallel.pipeline import Pipeline
 from thinwire.parallel.plan import ParallelPlan
@@ -72,9 +82,10 @@ class ParallelTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         for stage in self.stages:
             stage.train()
-        local = self.pipeline.train(x, y)
-        self.tied.sum_gradients()
-        self.optimizer.step()
+        with self._peers_alive(f"step {self.steps + 1}"):
+            local = self.pipeline.train(x, y)
+            self.tied.sum_gradients()
+            self.optimizer.step()
         self.steps += 1
         return self._global_mean(local)
 
@@ -83,7 +94,25 @@ class ParallelTrainer:
         x, y = self._slice(inputs, targets)
         for stage in self.stages:
             stage.eval()
-        return self._global_mean(self.pipeline.evaluate(x, y))
+        with self._peers_alive("evaluation"):
+            local = self.pipeline.evaluate(x, y)
+        return self._global_mean(local)
+
+    @contextlib.contextmanager
+    def _peers_alive(self, what: str) -> Iterator[None]:
+        """Turn a failed pipeline send or tensor-parallel collective (a peer died, stalled
+        or diverged) into a :class:`CommunicationError` that says so."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not is_transport_failure(error):
+                raise
+            raise CommunicationError(
+                f"{what} failed on rank {dist.get_rank()} under the plan {self.plan} (process "
+                f"group timeout: {group_timeout(None)}): a pipeline or tensor-parallel peer has "
+                f"probably died, stalled or run a different step; check the other ranks' "
+                f"output. ({error})"
+            ) from error
 
     def _global_mean(self, local: Tensor | None) -> float:
         """The mean over the data-parallel slices of the last stage's losses, on every rank
@@ -111,6 +140,36 @@ class ParallelTrainer:
             if data:
                 merged.update(torch.load(io.BytesIO(data), weights_only=True))
         return merged
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters (shards under tensor parallelism), named as the model
+        given to ``parallelize`` names them."""
+        return [(model_name(n), p) for stage in self.stages for n, p in stage.named_parameters()]
+
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over this rank's parameters (inside the data-parallel wrapper)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of a ``torch.distributed.checkpoint`` state dict: weights and
+        optimizer state keyed by the model's names (``DTensor`` shards under tensor
+        parallelism), the step count, the plan, thinwire's exchange state."""
+        return collect_state(
+            self.named_parameters(), self.local_optimizer, self.engine, self.plan, self.steps
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write a checkpoint to the directory ``path`` that any plan can resume from.
+        Collective: every rank calls it."""
+        save_checkpoint(self.state_dict(), path)
+
+    def load(self, path: str | Path) -> None:
+        """Resume from the checkpoint at ``path``, written under this plan or another (the
+        weights and optimizer state are resharded). Collective: every rank calls it."""
+        self.steps = load_checkpoint(
+            path, self.named_parameters(), self.local_optimizer, self.engine, self.plan
+        )
 
     def close(self) -> None:
         """Stop the exchange thread (the trainer is unusable afterwards). The mesh's

@@ -5,10 +5,11 @@ thinwire.tasks.tasks()                              # names and one-line summari
 task = thinwire.tasks.task("fashion", batch_size=32, width=32)
 """
 
-from thinwire.tasks import digits_task, fashion, packages, text  # noqa: F401  (registers them)
+from thinwire.tasks import digits_task, fashion, gpt, packages, text  # noqa: F401  (registers them)
 from thinwire.tasks.base import Task, seeded_init, step_generator
 from thinwire.tasks.digits_task import DigitsTask
 from thinwire.tasks.fashion import FashionTask
+from thinwire.tasks.gpt import GPTTask
 from thinwire.tasks.packages import PackagesTask
 from thinwire.tasks.registry import register_task, task, task_class, task_options, tasks
 from thinwire.tasks.text import TextTask
@@ -16,6 +17,7 @@ from thinwire.tasks.text import TextTask
 __all__ = [
     "DigitsTask",
     "FashionTask",
+    "GPTTask",
     "PackagesTask",
     "Task",
     "TextTask",

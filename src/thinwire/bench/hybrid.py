@@ -1,0 +1,139 @@
+"""``thinwire bench --plans``: hybrid-parallel plans trained side by side on local ranks.
+
+Each plan trains the task's model from the same initialisation on the same global batches
+(AdamW, linear warm-up then cosine decay), with real compute, and reports its loss curve,
+held-out perplexity, the data-parallel bytes each rank sent per step (thinwire's engine's
+count) and the wall time per step. Real compute of 8 ranks on a small machine measures the
+scheduler more than the plan: read these runs for quality; time plans on virtual
+accelerators (``--compute sleep``, to come with the emulated hosts of several ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from thinwire.bench.plans import plan_label
+from thinwire.launch import LocalPool
+from thinwire.parallel import ParallelPlan, parallelize
+from thinwire.tasks import task
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """What ``thinwire bench --plans`` runs."""
+
+    task: str
+    plans: tuple[ParallelPlan, ...]
+    steps: int
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    task_options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        sizes = {plan.world_size for plan in self.plans}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"the plans need different numbers of ranks ({sorted(sizes)}): list plans of "
+                "one world size per run"
+            )
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+
+
+def learning_rate(step: int, config: HybridConfig) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to a tenth."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_plan(rank: int, world: int, config: HybridConfig, plan: ParallelPlan) -> dict | None:
+    """On every rank: train under ``plan``; rank 0 returns the record."""
+    job = task(config.task, **config.task_options)
+    trainer = parallelize(
+        job.build_model(),
+        plan,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=config.lr, weight_decay=config.weight_decay),
+    )
+    losses, seconds, sent = [], [], []
+    for step in range(config.steps):
+        for group in trainer.local_optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        inputs, targets = job.global_batch(step)
+        start = time.perf_counter()
+        losses.append(trainer.step(inputs, targets))
+        seconds.append(time.perf_counter() - start)
+        stats = trainer.engine.last_step if trainer.engine is not None else None
+        sent.append(stats.sent_bytes if stats is not None else 0)
+    chunk = plan.dp * plan.microbatches * max(1, 32 // (plan.dp * plan.microbatches))
+    perplexity = job.evaluate_parallel(trainer, chunk)
+    trainer.close()
+    if rank != 0:
+        return None
+    return {
+        "plan": plan_label(plan),
+        "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp},
+        "losses": losses,
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "perplexity": perplexity,
+        "step_s": sorted(seconds)[len(seconds) // 2],
+        "dp_sent_bytes_per_step": sum(sent[1:]) / max(1, len(sent) - 1),
+    }
+
+
+def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dict]:
+    """Train every plan in turn on one pool of local ranks; write ``results.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    job = task(config.task, **config.task_options)
+    getattr(job, "corpus", None)  # make the data (and its cache) before the ranks start
+    records = []
+    with LocalPool(config.plans[0].world_size, collective_timeout_s=300) as pool:
+        for plan in config.plans:
+            report(f"training {plan_label(plan)} for {config.steps} steps")
+            record = pool.run(train_plan, config, plan, timeout=config.timeout_s)[0]
+            report(
+                f"  loss {record['final_loss']:.4f}  perplexity {record['perplexity']:.3f}  "
+                f"{record['step_s']:.2f} s/step"
+            )
+            records.append(record)
+            summary = {"config": _describe(config), "records": records}
+            (out / "results.json").write_text(json.dumps(summary, indent=2))
+    return records
+
+
+def _describe(config: HybridConfig) -> dict:
+    described = asdict(config)
+    described["plans"] = [plan_label(p) for p in config.plans]
+    return described
+
+
+def plot_losses(records: list[dict], path: Path) -> Path:
+    """Training loss per step of each plan (a 20-step moving mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for record in records:
+        losses = torch.tensor(record["losses"])
+        window = min(20, len(losses))
+        smooth = losses.unfold(0, window, 1).mean(dim=1)
+        ax.plot(range(window - 1, len(losses)), smooth, label=record["plan"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (20-step mean)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,81 @@
+"""Plans written on the command line: ``DPxPPxTP[/mbN][/SCHEDULE][:METHOD[(k=v,...)]]``.
+
+    2x2x2                       dp=2 pp=2 tp=2, 2 micro-batches, 1F1B, dense dp
+    2x2x2/mb4/gpipe:powersgd(rank=4)
+    8x1x1:dgc(density=0.01)
+
+Micro-batches default to ``pp`` (the fewest 1F1B accepts). Option values are read as
+Python literals (numbers, booleans, strings).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from thinwire.parallel import ParallelPlan
+from thinwire.parallel.plan import SCHEDULES
+
+_PLAN = re.compile(
+    r"^(?P<dp>\d+)x(?P<pp>\d+)x(?P<tp>\d+)"
+    r"(?P<parts>(?:/[^/:]+)*)"
+    r"(?::(?P<method>[\w-]+)(?:\((?P<options>[^)]*)\))?)?$"
+)
+
+
+def _options(text: str, spec: str) -> dict:
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"option {item!r} in plan {spec!r} is not key=value")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    return options
+
+
+def parse_plan(spec: str) -> ParallelPlan:
+    """The :class:`ParallelPlan` ``spec`` writes (see the module's docstring)."""
+    match = _PLAN.match(spec.strip())
+    if match is None:
+        raise ValueError(
+            f"cannot read plan {spec!r}: write DPxPPxTP[/mbN][/SCHEDULE][:METHOD(k=v,...)], "
+            "e.g. 2x2x2/mb4/1f1b:powersgd(rank=4)"
+        )
+    dp, pp, tp = (int(match[name]) for name in ("dp", "pp", "tp"))
+    microbatches, schedule = pp, "1f1b"
+    for part in filter(None, match["parts"].split("/")):
+        if part.startswith("mb") and part[2:].isdigit():
+            microbatches = int(part[2:])
+        elif part in SCHEDULES:
+            schedule = part
+        else:
+            raise ValueError(
+                f"plan {spec!r}: {part!r} is neither mbN (micro-batches) nor a schedule "
+                f"({', '.join(SCHEDULES)})"
+            )
+    method = match["method"] or "dense"
+    options = _options(match["options"] or "", spec)
+    return ParallelPlan(
+        dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule,
+        dp_method=method, dp_options=options,
+    )  # fmt: skip
+
+
+def parse_plans(text: str) -> list[ParallelPlan]:
+    """Plans separated by spaces or semicolons (commas separate a method's options)."""
+    specs = [s for s in re.split(r"[;\s]+", text.strip()) if s]
+    if not specs:
+        raise ValueError("--plans lists no plan; e.g. --plans '8x1x1 2x2x2:powersgd(rank=4)'")
+    return [parse_plan(s) for s in specs]
+
+
+def plan_label(plan: ParallelPlan) -> str:
+    """The plan written back in the command line's form."""
+    label = f"{plan.dp}x{plan.pp}x{plan.tp}/mb{plan.microbatches}/{plan.schedule}"
+    if plan.dp_method != "dense":
+        options = ",".join(f"{k}={v}" for k, v in sorted(plan.dp_options.items()))
+        label += f":{plan.dp_method}" + (f"({options})" if options else "")
+    return label
