@@ -18,14 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
-def _torchrun(script: Path, cwd: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(
+    script: Path, cwd: Path, nproc: int = 2, timeout: float = 150, **env: str
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N script`` from this interpreter, on a free port."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), str(script),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=150)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _readme_blocks() -> list[str]:
@@ -46,3 +50,21 @@ def test_the_ddp_quick_start_runs_under_torchrun(tmp_path) -> None:
     accuracy = float(re.search(r"held-out accuracy ([\d.]+) after 60 steps", done.stdout)[1])
     assert accuracy > 0.85, done.stdout
     assert (tmp_path / "quickstart-ckpt.pt").exists()
+
+
+def test_the_readme_shows_the_hybrid_quick_start_file_as_it_is() -> None:
+    text = (EXAMPLES / "quickstart_hybrid.py").read_text()
+    code = text[text.index("import torch") :]
+    assert code in _readme_blocks()
+
+
+@pytest.mark.timeout(300)
+def test_the_hybrid_quick_start_runs_under_torchrun(tmp_path) -> None:
+    script = EXAMPLES / "quickstart_hybrid.py"
+    done = _torchrun(script, tmp_path, nproc=4, timeout=280, THINWIRE_CACHE=str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([\d.]+)", done.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, done.stdout
+    perplexity = float(re.search(r"held-out perplexity ([\d.]+) after 40 steps", done.stdout)[1])
+    assert perplexity < 512 / 2, done.stdout  # uniform over the vocabulary would be 512
+    assert (tmp_path / "quickstart-hybrid-ckpt" / ".metadata").exists()

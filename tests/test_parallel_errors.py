@@ -49,6 +49,13 @@ def different_weights_on_rank_1(rank: int, world: int) -> tuple[str, str]:
     return _outcome(lambda: parallelize(_model(seed=rank == 1), plan, optimizer=_optimizer))
 
 
+def different_batch_on_rank_3(rank: int, world: int) -> tuple[str, str]:
+    trainer = parallelize(_model(), ParallelPlan(dp=2, pp=2), optimizer=_optimizer)
+    seed = 1 if rank == 3 else 0
+    tokens = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(seed))
+    return _outcome(lambda: trainer.step(tokens[:, :-1], tokens[:, 1:]))
+
+
 def rank_3_stalls_in_step_2(rank: int, world: int) -> tuple[str, str, float]:
     """Rank 3 stops taking part (as a dead or hung peer does) for longer than the timeout;
     the others time their second step."""
@@ -84,6 +91,12 @@ def test_models_that_start_from_different_weights_are_refused(pool) -> None:
     assert all(kind == RankMismatchError.__name__ for kind, _ in results)
     assert "differ in their starting weights" in results[0][1]
     assert "torch.manual_seed" in results[0][1]
+
+
+def test_ranks_given_different_batches_are_refused_at_the_first_step(pool) -> None:
+    results = pool.run(different_batch_on_rank_3, timeout=120)
+    assert all(kind == RankMismatchError.__name__ for kind, _ in results)
+    assert "rank(s) 3 were given different global batches" in results[0][1]
 
 
 def test_a_stalled_rank_makes_the_others_raise_within_the_timeout() -> None:

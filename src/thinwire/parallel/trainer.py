@@ -10,6 +10,7 @@ each slice's mean over its micro-batches.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,13 +22,14 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from thinwire.comm.agreement import ranks_differing
 from thinwire.comm.collectives import (
     gather_bytes,
     group_timeout,
     is_transport_failure,
     run_collective,
 )
-from thinwire.errors import CommunicationError
+from thinwire.errors import CommunicationError, RankMismatchError
 from thinwire.parallel.checkpoint import collect_state, load_checkpoint, save_checkpoint
 from thinwire.parallel.loss import LossFn
 from thinwire.parallel.pipeline import Pipeline
@@ -77,7 +79,10 @@ class ParallelTrainer:
         return inputs[start : start + share], targets[start : start + share]
 
     def step(self, inputs: Tensor, targets: Tensor) -> float:
-        """One optimizer step on the global batch (the same on every rank); its mean loss."""
+        """One optimizer step on the global batch (the same on every rank); its mean loss.
+        The first step checks that every rank was given the same batch."""
+        if self.steps == 0:
+            check_same_batch(inputs, targets)
         x, y = self._slice(inputs, targets)
         self.optimizer.zero_grad(set_to_none=True)
         for stage in self.stages:
@@ -177,3 +182,18 @@ class ParallelTrainer:
         mesh's shape, so a later mesh of the same shape may still name this one's groups."""
         if self.engine is not None:
             self.engine.close()
+
+
+def check_same_batch(inputs: Tensor, targets: Tensor) -> None:
+    """Raise :class:`RankMismatchError` on every rank if the ranks' global batches differ
+    (one all-gather of a digest)."""
+    fact = hashlib.sha1(inputs.detach().cpu().numpy().tobytes())
+    fact.update(targets.detach().cpu().numpy().tobytes())
+    (differing,) = ranks_differing([fact.hexdigest()], None)
+    if differing:
+        raise RankMismatchError(
+            f"rank {dist.get_rank()} and rank(s) {', '.join(map(str, differing))} were given "
+            "different global batches: every rank must pass the same batch to step() (the "
+            "trainer gives each data-parallel rank its slice); sample it from a generator "
+            "seeded by the step, as thinwire.tasks' global_batch() does"
+        )
