@@ -43,6 +43,24 @@ def test_the_flat_topology_is_the_data_parallel_model() -> None:
     assert flat.time(ALLREDUCE, 1e6, range(4)) == collective_time(ALLREDUCE, 1e6, 4, NET)
 
 
+def test_the_data_parallel_step_runs_on_the_link_its_group_spans() -> None:
+    from thinwire.plan.cost import BucketCost, ComputeTime, MethodCost, group_step_time, step_time
+    from thinwire.plan.network import Collective
+
+    compute = ComputeTime(forward_s=0.1, backward_s=0.2, optimizer_s=0.0)
+    cost = MethodCost("dense", (BucketCost(1.0, 0.0, (Collective(ALLREDUCE, 40e6),)),))
+    slow, fast = Link(100e6, 1e-3), Link(10e9, 5e-6)
+    topology = Topology(hosts=2, ranks_per_host=4, inter=slow, intra=fast)
+    inside = group_step_time(compute, cost, topology, ranks=[0, 1, 2, 3])
+    across = group_step_time(compute, cost, topology, ranks=[0, 4])
+    shared = group_step_time(compute, cost, topology, ranks=[0, 4], sharing=4)
+    assert inside == pytest.approx(step_time(compute, cost, fast, 4))
+    assert across == pytest.approx(step_time(compute, cost, slow, 2))
+    assert inside < across < shared
+    flat = Topology.flat(4, slow)
+    assert group_step_time(compute, cost, flat) == pytest.approx(step_time(compute, cost, slow, 4))
+
+
 def test_bad_topologies_and_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="ranks_per_host must be an integer >= 1"):
         Topology(hosts=2, ranks_per_host=0, inter=NET, intra=HOST)

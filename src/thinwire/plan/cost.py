@@ -48,7 +48,7 @@ bucket is ready at the end of the backward pass. Scaling efficiency is
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from thinwire.plan.network import (
@@ -59,6 +59,7 @@ from thinwire.plan.network import (
     collective_time,
     wire_bytes,
 )
+from thinwire.plan.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,24 @@ def step_time(
         cpu_delay += bucket.compress_s
         exchange_free = start + bucket.compress_s + bucket.comm_time(world_size, link)
     return max(backward_end + cpu_delay, exchange_free) + compute.optimizer_s
+
+
+def group_step_time(
+    compute: ComputeTime,
+    cost: MethodCost,
+    topology: Topology,
+    ranks: Sequence[int] | None = None,
+    *,
+    sharing: int = 1,
+    overlap: bool = True,
+) -> float:
+    """:func:`step_time` of a data-parallel group on ``topology``: the group ``ranks``
+    (default: every rank) exchanges over the link it spans (the network, shared by
+    ``sharing`` groups crossing it at once, if its ranks are on several hosts; else the
+    hosts' own link). A hybrid plan's ``"dp"`` groups are such groups."""
+    group = list(range(topology.world_size)) if ranks is None else list(ranks)
+    link = topology.link_of(group, sharing)
+    return step_time(compute, cost, link, len(group), overlap=overlap)
 
 
 def delayed_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_size: int) -> float:
