@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -258,3 +259,35 @@ def test_a_second_up_with_the_same_tag_is_refused_and_leaves_the_first_intact() 
         assert {h.namespace for h in first.hosts} <= set(list_namespaces())
         assert first.forwarder_alive()
     assert not any("dup1" in n for n in list_namespaces())
+
+
+def _host_groups_timings(rank: int, world_size: int, numel: int) -> dict[str, Any]:
+    """All-reduce within this rank's host (ranks 2h, 2h+1) and across hosts (r, r+2)."""
+    within = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    data = torch.ones(numel)
+    timings = {}
+    for name, group in (("within", within), ("across", across)):
+        dist.all_reduce(torch.ones(1), group=group)  # connect first
+        start = time.perf_counter()
+        dist.all_reduce(data, group=group)
+        timings[name] = time.perf_counter() - start
+    env = {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    return {"timings": timings, "env": env, "sum": float(data[0])}
+
+
+@needs_root
+def test_ranks_of_a_host_share_its_loopback_and_hosts_the_slow_link() -> None:
+    with EmulatedCluster(2, "10mbit", "1ms", ranks_per_host=2) as cluster:
+        assert cluster.host_env(cluster.hosts[1], 29500, {}, local_rank=1)["RANK"] == "3"
+        with LocalPool(4, placement=Placement.on(cluster)) as pool:
+            results = pool.run(_host_groups_timings, 1_000_000, timeout=120)
+    assert [r["env"] for r in results] == [
+        {"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2)}
+        for r in range(4)
+    ]
+    assert all(r["sum"] == 4.0 for r in results)  # two all-reduces of two ranks each
+    wire_s = 4e6 * 8 / 10e6  # 4 MB each way over 10 Mbit/s: 3.2 s
+    for r in results:
+        assert r["timings"]["across"] > 0.8 * wire_s  # the shaped link
+        assert r["timings"]["within"] < 0.1 * wire_s  # the host's loopback

@@ -61,13 +61,16 @@ def _cluster(args: argparse.Namespace) -> int:
     console = Console()
     try:
         if args.action == "up":
-            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.latency, tag=args.tag)
+            cluster = EmulatedCluster(
+                args.hosts, args.bandwidth, args.latency, tag=args.tag,
+                ranks_per_host=args.ranks_per_host,
+            )  # fmt: skip
             cluster.up(daemon=True)
             console.print(
                 f"cluster [bold]{cluster.tag}[/] is up: {args.hosts} hosts "
-                f"{', '.join(h.address for h in cluster.hosts)}, {args.bandwidth} links, "
-                f"{args.latency} one-way latency, MTU {cluster.mtu}.\n"
-                "Run one rank per host: thinwire cluster run -- python train.py; "
+                f"{', '.join(h.address for h in cluster.hosts)} of {args.ranks_per_host} "
+                f"rank(s) each, {args.bandwidth} links, {args.latency} one-way latency, MTU "
+                f"{cluster.mtu}.\nRun every rank: thinwire cluster run -- python train.py; "
                 "stop it: thinwire cluster down"
             )
         elif args.action == "run":
@@ -178,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--hosts", type=int, default=4, help="hosts (default 4)")
     up.add_argument("--bandwidth", default="100mbit", help="per link, e.g. 10mbit, 1gbit")
     up.add_argument("--latency", default="1ms", help="one-way delay between any two hosts")
-    run = actions.add_parser("run", help="run CMD once per host: thinwire cluster run -- CMD")
+    up.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        help="processes per host, sharing its loopback (default 1)",
+    )
+    run = actions.add_parser("run", help="run CMD as every rank: thinwire cluster run -- CMD")
     run.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     actions.add_parser("down", help="remove the cluster")

@@ -76,12 +76,25 @@ class Placement:
 
     @staticmethod
     def on(cluster: EmulatedCluster) -> Placement:
-        """One rank per host of ``cluster``."""
+        """``cluster.ranks_per_host`` ranks on each host of ``cluster``, in torchrun's order
+        (the ranks of a host share its namespace and talk over its loopback)."""
         return Placement(
-            tuple(h.namespace for h in cluster.hosts),
+            tuple(h.namespace for h in cluster.hosts for _ in range(cluster.ranks_per_host)),
             cluster.master_address,
             cluster.hosts[0].interface,
         )
+
+    def local_env(self, rank: int) -> dict[str, str]:
+        """torchrun's variables for ``rank``: its host's other ranks are those that share
+        its namespace (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``)."""
+        namespace = self.namespaces[rank]
+        hosts = list(dict.fromkeys(self.namespaces))
+        peers = [r for r, n in enumerate(self.namespaces) if n == namespace]
+        return {
+            "LOCAL_RANK": str(peers.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(peers)),
+            "GROUP_RANK": str(hosts.index(namespace)),
+        }
 
 
 def die_with_parent() -> None:
@@ -114,6 +127,7 @@ def _serve(
         if placement is not None:
             enter_namespace(placement.namespaces[rank])
             os.environ["GLOO_SOCKET_IFNAME"] = placement.interface
+            os.environ.update(placement.local_env(rank))
             host = placement.master_address
         init_local_group(rank, world_size, port, timeout_s, host=host)
     except BaseException:

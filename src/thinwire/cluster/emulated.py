@@ -1,7 +1,7 @@
 """An emulated cheap cluster on one machine: N hosts in network namespaces, slow links.
 
     with EmulatedCluster(hosts=4, bandwidth="100mbit", latency="1ms") as cluster:
-        cluster.run(["python", "train.py"])        # one process per host, torchrun-style env
+        cluster.run(["python", "train.py"])        # each rank of each host, torchrun's env
 
 Each host is a network namespace ``thinwire-<tag>-h<i>`` whose only interface, ``tw0``, is
 a TUN device with address ``198.18.0.<i+1>/24`` (a benchmarking range; no other range is
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.cluster.forwarder import ForwarderConfig
+from thinwire.cluster.ranks import check_ranks_per_host, rank_env, run_ranks
 from thinwire.cluster.tun import NETNS_DIR
 from thinwire.cluster.units import parse_duration, parse_rate
 
@@ -96,6 +97,7 @@ class EmulatedCluster:
         latency: one-way delay between any two hosts, e.g. ``"1ms"``.
         tag: a short name for this cluster (default: random); namespaces are
             ``thinwire-<tag>-h<i>``.
+        ranks_per_host: processes each host runs (:mod:`thinwire.cluster.ranks`).
     """
 
     def __init__(
@@ -104,7 +106,9 @@ class EmulatedCluster:
         bandwidth: str | float | None = "1gbit",
         latency: str | float = "0ms",
         tag: str | None = None,
+        ranks_per_host: int = 1,
     ) -> None:
+        self.ranks_per_host = check_ranks_per_host(ranks_per_host)
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be an integer from 1 to {MAX_HOSTS}, got {hosts!r}")
         self.rate_bps = parse_rate(bandwidth)
@@ -290,22 +294,10 @@ class EmulatedCluster:
     # -- running commands on the hosts ----------------------------------------------------
 
     def host_env(
-        self, host: Host, port: int, base: Mapping[str, str] | None = None
+        self, host: Host, port: int, base: Mapping[str, str] | None = None, local_rank: int = 0
     ) -> dict[str, str]:
-        """The environment ``torchrun`` would give rank ``host.rank`` on this cluster."""
-        env = dict(os.environ if base is None else base)
-        env.update(
-            RANK=str(host.rank),
-            LOCAL_RANK="0",
-            WORLD_SIZE=str(len(self.hosts)),
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR=self.master_address,
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME=host.interface,
-            NCCL_SOCKET_IFNAME=host.interface,
-            THINWIRE_CLUSTER=self.tag,
-        )
-        return env
+        """The environment ``torchrun`` would give local rank ``local_rank`` of ``host``."""
+        return rank_env(self, host, local_rank, port, base)
 
     def run(
         self,
@@ -314,29 +306,8 @@ class EmulatedCluster:
         timeout: float | None = None,
         env: Mapping[str, str] | None = None,
     ) -> list[int]:
-        """Run ``command`` once on every host (rank i on host i); return the exit codes.
-
-        If any process fails, the others are given a few seconds, then stopped.
-        """
-        procs = [
-            subprocess.Popen(
-                ["ip", "netns", "exec", h.namespace, *command], env=self.host_env(h, port, env)
-            )
-            for h in self.hosts
-        ]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = any(p.returncode not in (None, 0) for p in procs)
-                late = deadline is not None and time.monotonic() > deadline
-                if failed or late:
-                    _stop_all(procs, grace=5.0 if failed else 0.0)
-                    break
-                time.sleep(0.1)
-        except BaseException:
-            _stop_all(procs, grace=0.0)
-            raise
-        return [p.wait() for p in procs]
+        """Run ``command`` as every rank (``ranks_per_host`` per host); the exit codes."""
+        return run_ranks(self, command, port, timeout, env)
 
     # -- state for the command line -------------------------------------------------------
 
@@ -344,6 +315,7 @@ class EmulatedCluster:
         state = {
             "tag": self.tag,
             "hosts": len(self.hosts),
+            "ranks_per_host": self.ranks_per_host,
             "bandwidth": self.bandwidth,
             "latency": self.latency,
             "forwarder_pid": self.forwarder_pid,
@@ -373,7 +345,10 @@ class EmulatedCluster:
         if tag not in alive:
             raise ClusterError(f"no emulated cluster {tag!r} is up; running: {sorted(alive)}")
         state = alive[tag]
-        cluster = cls(state["hosts"], state["bandwidth"], state["latency"], tag=tag)
+        cluster = cls(
+            state["hosts"], state["bandwidth"], state["latency"], tag=tag,
+            ranks_per_host=state.get("ranks_per_host", 1),
+        )  # fmt: skip
         cluster.forwarder_pid = state["forwarder_pid"]
         return cluster
 
@@ -382,6 +357,7 @@ class EmulatedCluster:
         return {
             "tag": self.tag,
             "hosts": len(self.hosts),
+            "ranks_per_host": self.ranks_per_host,
             "bandwidth_bps": self.rate_bps,
             "latency_s": self.latency_s,
             "mtu": self.mtu,
@@ -469,21 +445,6 @@ def _wait_gone(pid: int, timeout: float) -> None:
     if _alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _stop_all(procs: Sequence[subprocess.Popen[Any]], grace: float) -> None:
-    deadline = time.monotonic() + grace
-    while grace and time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _ip(*args: str, check: bool = True) -> None:
