@@ -21,6 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``thinwire bench``."""
     parser.add_argument("--task", default="fashion", help="digits, fashion, text or packages")
     parser.add_argument("--workers", type=int, default=4, help="ranks = emulated hosts")
+    parser.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        help="with --plans: ranks per emulated host, sharing its loopback (default 1)",
+    )
     parser.add_argument("--bandwidth", default="100mbit", help="per link, e.g. 10mbit, 1gbit")
     parser.add_argument("--latency", default="1ms", help="one-way delay between two hosts")
     parser.add_argument(
@@ -234,6 +240,10 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
             lr=args.lr if args.lr is not None else 3e-3,
             task_options=_json_option("--task-options", args.task_options) or {},
             timeout_s=args.timeout,
+            network=args.network,
+            ranks_per_host=args.ranks_per_host,
+            bandwidth=args.bandwidth,
+            latency=args.latency,
         )
     except (ValueError, TypeError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")

@@ -10,6 +10,7 @@ accelerators (``--compute sleep``, to come with the emulated hosts of several ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 
 from thinwire.bench.plans import plan_label
-from thinwire.launch import LocalPool
+from thinwire.cluster import EmulatedCluster
+from thinwire.launch import LocalPool, Placement
 from thinwire.parallel import ParallelPlan, parallelize
 from thinwire.tasks import task
 
@@ -37,6 +39,12 @@ class HybridConfig:
     weight_decay: float = 0.1
     task_options: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 3600.0
+    network: str = "loopback"
+    """``"emulated"``: ``hosts`` emulated hosts of ``ranks_per_host`` ranks (root);
+    ``"loopback"``: every rank on this machine's loopback, no limits."""
+    ranks_per_host: int = 1
+    bandwidth: str = "100mbit"
+    latency: str = "1ms"
 
     def __post_init__(self) -> None:
         sizes = {plan.world_size for plan in self.plans}
@@ -44,6 +52,12 @@ class HybridConfig:
             raise ValueError(
                 f"the plans need different numbers of ranks ({sorted(sizes)}): list plans of "
                 "one world size per run"
+            )
+        (world,) = sizes
+        if self.network == "emulated" and world % self.ranks_per_host:
+            raise ValueError(
+                f"the plans run {world} ranks, which hosts of --ranks-per-host "
+                f"{self.ranks_per_host} do not divide: use a divisor of {world}"
             )
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
@@ -97,7 +111,15 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
     job = task(config.task, **config.task_options)
     getattr(job, "corpus", None)  # make the data (and its cache) before the ranks start
     records = []
-    with LocalPool(config.plans[0].world_size, collective_timeout_s=300) as pool:
+    with contextlib.ExitStack() as stack:
+        world, placement = config.plans[0].world_size, None
+        if config.network == "emulated":
+            cluster = EmulatedCluster(
+                world // config.ranks_per_host, config.bandwidth, config.latency,
+                ranks_per_host=config.ranks_per_host,
+            )  # fmt: skip
+            placement = Placement.on(stack.enter_context(cluster))
+        pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))
         for plan in config.plans:
             report(f"training {plan_label(plan)} for {config.steps} steps")
             record = pool.run(train_plan, config, plan, timeout=config.timeout_s)[0]
