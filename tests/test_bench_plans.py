@@ -57,14 +57,26 @@ def test_plans_train_side_by_side_on_hosts_of_several_ranks(tmp_path, monkeypatc
     monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     code = main([
-        "bench", "--task", "gpt", "--plans", "2x1x2 1x2x2/mb2:powersgd(rank=2)",
+        "bench", "--task", "gpt", "--plans", "2x1x2:powersgd(rank=2) 1x2x2/mb2",
         "--ranks-per-host", "2", "--bandwidth", "100mbit", "--latency", "1ms",
         "--steps", "3", "--task-options", TINY, "--out", str(out), "--timeout", "300",
     ])  # fmt: skip
     assert code == 0
     records = json.loads((out / "results.json").read_text())["records"]
-    assert [r["plan"] for r in records] == ["2x1x2/mb1/1f1b", "1x2x2/mb2/1f1b:powersgd(rank=2)"]
+    assert [r["plan"] for r in records] == ["2x1x2/mb1/1f1b:powersgd(rank=2)", "1x2x2/mb2/1f1b"]
     assert all(0 < r["perplexity"] < 1000 and len(r["losses"]) == 3 for r in records)
     assert records[0]["dp_sent_bytes_per_step"] > 0  # dp=2 exchanged
     assert records[1]["dp_sent_bytes_per_step"] == 0  # dp=1: nothing to exchange
     assert (out / "losses.png").exists()
+    for record in records:
+        memory = record["memory_per_rank"]
+        assert len(memory) == 4 and record["peak_memory_bytes"] == max(m["total"] for m in memory)
+        assert all(m["parameters"] > 0 and m["activations"] > 0 for m in memory)
+        assert all(m["gradients"] == m["parameters"] for m in memory)
+        for m in memory:  # AdamW: two moments per parameter, and a step count per tensor
+            assert 2 * m["parameters"] < m["optimizer"] < 2 * m["parameters"] + 1024
+    assert all(m["exchange"] > 0 for m in records[0]["memory_per_rank"])  # PowerSGD's state
+    assert all(m["exchange"] == 0 for m in records[1]["memory_per_rank"])
+    # pipeline stages hold about half the parameters each; tensor parallel splits them again
+    whole = sum(m["parameters"] for m in records[1]["memory_per_rank"])
+    assert max(m["parameters"] for m in records[1]["memory_per_rank"]) < 0.4 * whole

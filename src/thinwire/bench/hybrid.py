@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from thinwire.bench.plans import plan_label
 from thinwire.cluster import EmulatedCluster
 from thinwire.launch import LocalPool, Placement
-from thinwire.parallel import ParallelPlan, parallelize
+from thinwire.parallel import ParallelPlan, ParallelTrainer, parallelize
+from thinwire.plan.activations import SavedActivations
+from thinwire.plan.memory import MemoryEstimate, held_bytes
 from thinwire.tasks import task
 
 
@@ -80,21 +83,25 @@ def train_plan(rank: int, world: int, config: HybridConfig, plan: ParallelPlan) 
         optimizer=lambda p: torch.optim.AdamW(p, lr=config.lr, weight_decay=config.weight_decay),
     )
     losses, seconds, sent = [], [], []
+    saved = SavedActivations(exclude=[p for _, p in trainer.named_parameters()])
     for step in range(config.steps):
         for group in trainer.local_optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
         inputs, targets = job.global_batch(step)
         start = time.perf_counter()
-        losses.append(trainer.step(inputs, targets))
+        with saved if step == 0 else contextlib.nullcontext():
+            losses.append(trainer.step(inputs, targets))
         seconds.append(time.perf_counter() - start)
         stats = trainer.engine.last_step if trainer.engine is not None else None
         sent.append(stats.sent_bytes if stats is not None else 0)
     chunk = plan.dp * plan.microbatches * max(1, 32 // (plan.dp * plan.microbatches))
     perplexity = job.evaluate_parallel(trainer, chunk)
+    memory = rank_memory(trainer, saved.peak_bytes)
     trainer.close()
     if rank != 0:
-        return None
+        return {"memory": memory}
     return {
+        "memory": memory,
         "plan": plan_label(plan),
         "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp},
         "losses": losses,
@@ -103,6 +110,34 @@ def train_plan(rank: int, world: int, config: HybridConfig, plan: ParallelPlan) 
         "step_s": sorted(seconds)[len(seconds) // 2],
         "dp_sent_bytes_per_step": sum(sent[1:]) / max(1, len(sent) - 1),
     }
+
+
+def _local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def rank_memory(trainer: ParallelTrainer, activations: int) -> dict[str, int]:
+    """What this rank holds: its parameter shards, their gradients, the optimizer's state,
+    thinwire's exchange state (residuals, warm starts) and the step's saved activations."""
+    named = trainer.named_parameters()
+    optimizer = trainer.local_optimizer
+    engine = trainer.engine
+    estimate = MemoryEstimate(
+        parameters=sum(_local_bytes(p) for _, p in named),
+        gradients=sum(_local_bytes(p.grad) for _, p in named),
+        optimizer=sum(
+            _local_bytes(v)
+            for state in optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ),
+        exchange=held_bytes(engine.compressor, engine.memory) if engine is not None else 0,
+        activations=activations,
+    )
+    return estimate.as_dict()
 
 
 def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dict]:
@@ -122,10 +157,14 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
         pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))
         for plan in config.plans:
             report(f"training {plan_label(plan)} for {config.steps} steps")
-            record = pool.run(train_plan, config, plan, timeout=config.timeout_s)[0]
+            results = pool.run(train_plan, config, plan, timeout=config.timeout_s)
+            record = results[0]
+            record["memory_per_rank"] = [r.pop("memory") for r in results]
+            record["peak_memory_bytes"] = max(m["total"] for m in record["memory_per_rank"])
             report(
                 f"  loss {record['final_loss']:.4f}  perplexity {record['perplexity']:.3f}  "
-                f"{record['step_s']:.2f} s/step"
+                f"{record['step_s']:.2f} s/step  peak memory per rank "
+                f"{record['peak_memory_bytes'] / 2**20:.1f} MiB"
             )
             records.append(record)
             summary = {"config": _describe(config), "records": records}

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from thinwire.comm.agreement import parameter_layout, ranks_differing
 from thinwire.comm.checkpoint import (
@@ -462,24 +461,6 @@ class GradientExchange:
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
         self._origin = origin
-
-
-def gradient_of(name: str, param: Tensor) -> Tensor:
-    """``param``'s gradient, made zeros where it has none (so every rank issues the same
-    collectives); a sparse gradient is refused with what to do; a ``DTensor``'s gives this
-    rank's shard (what its data-parallel peers, holding the same shard, average)."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    if isinstance(param.grad, DTensor):
-        return param.grad.to_local()
-    if param.grad.layout != torch.strided:
-        raise TypeError(
-            f"the gradient of {name!r} is sparse ({param.grad.layout}), as nn.Embedding("
-            "sparse=True) makes it; thinwire exchanges dense gradients. Build the layer with "
-            "sparse=False, or shard the table with thinwire.data_parallel.sparse (its rows "
-            "travel sparsely)."
-        )
-    return param.grad
 
 
 def _non_finite_message(step: int, rank: int, keys: list[str], compressor: str = "") -> str:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from thinwire.comm.collectives import Communicator
-from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.comm.gradients import gradient_of
 from thinwire.compress.base import Compressor, Memory, is_integer
 from thinwire.data_parallel.delayed_checks import agree_on_settings, refuse_non_finite
 from thinwire.data_parallel.delayed_correction import (

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.collectives import Communicator, run_collective, sibling_group
-from thinwire.comm.engine import GradientExchange, GradientItem, StepStats, gradient_of
+from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
+from thinwire.comm.gradients import gradient_of
 from thinwire.compress.base import Compressor, Memory, check_flag, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.data_parallel.parameters import split_parameters

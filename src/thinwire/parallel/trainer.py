@@ -89,10 +89,20 @@ class ParallelTrainer:
             stage.train()
         with self._peers_alive(f"step {self.steps + 1}"):
             local = self.pipeline.train(x, y)
+            self._shard_gradients()
             self.tied.sum_gradients()
             self.optimizer.step()
         self.steps += 1
         return self._global_mean(local)
+
+    def _shard_gradients(self) -> None:
+        """Lay each shard's gradient out as its parameter (a vocabulary-parallel
+        embedding's comes back whole: keeping it so would hold, exchange and step ``tp``
+        times the shard)."""
+        for _, p in self.named_parameters():
+            grad = p.grad
+            if isinstance(grad, DTensor) and grad.placements != p.placements:
+                p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def evaluate(self, inputs: Tensor, targets: Tensor) -> float:
         """The global batch's mean loss, without gradients or a step."""

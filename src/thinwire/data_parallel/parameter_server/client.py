@@ -29,7 +29,8 @@ from torch import nn
 
 from thinwire.comm.agreement import parameter_layout, ranks_differing
 from thinwire.comm.collectives import group_timeout, run_collective
-from thinwire.comm.engine import GradientExchange, GradientItem, gradient_of
+from thinwire.comm.engine import GradientExchange, GradientItem
+from thinwire.comm.gradients import gradient_of
 from thinwire.compress.base import Compressor, Memory, is_integer, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.data_parallel.optimizer import check_first_order
