@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. '8x1x1 2x2x2/mb4:powersgd(rank=4)' (DPxPPxTP[/mbN][/SCHEDULE][:METHOD(k=v)])",
     )
     parser.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        default="adamw",
+        help="with --plans: AdamW (default) or SGD with --momentum",
+    )
+    parser.add_argument(
         "--servers",
         type=int,
         default=None,
@@ -238,6 +244,9 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
             plans=tuple(parse_plans(args.plans)),
             steps=args.steps,
             lr=args.lr if args.lr is not None else 3e-3,
+            optimizer=args.optimizer,
+            momentum=args.momentum,
+            weight_decay=args.weight_decay,
             task_options=_json_option("--task-options", args.task_options) or {},
             timeout_s=args.timeout,
             network=args.network,

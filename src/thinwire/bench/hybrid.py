@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from thinwire.bench.plans import plan_label
 from thinwire.cluster import EmulatedCluster
+from thinwire.compress import compressor
 from thinwire.launch import LocalPool, Placement
 from thinwire.parallel import ParallelPlan, ParallelTrainer, parallelize
 from thinwire.plan.activations import SavedActivations
@@ -40,6 +41,10 @@ class HybridConfig:
     lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.1
+    optimizer: str = "adamw"
+    """``"adamw"`` or ``"sgd"`` (with ``momentum``; none for a compressor that applies its
+    own, as DGC does)."""
+    momentum: float = 0.9
     task_options: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 3600.0
     network: str = "loopback"
@@ -64,6 +69,8 @@ class HybridConfig:
             )
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
 
 
 def learning_rate(step: int, config: HybridConfig) -> float:
@@ -74,14 +81,24 @@ def learning_rate(step: int, config: HybridConfig) -> float:
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def optimizer_for(config: HybridConfig, plan: ParallelPlan) -> Any:
+    """The optimizer factory of ``config`` for ``plan``: AdamW, or SGD with momentum (none
+    when the plan's compressor applies momentum itself)."""
+    if config.optimizer == "adamw":
+        return lambda p: torch.optim.AdamW(p, lr=config.lr, weight_decay=config.weight_decay)
+    own = plan.dp_method != "dense" and getattr(
+        compressor(plan.dp_method, **plan.dp_options), "momentum", 0.0
+    )
+    momentum = 0.0 if own else config.momentum
+    return lambda p: torch.optim.SGD(
+        p, lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
+    )
+
+
 def train_plan(rank: int, world: int, config: HybridConfig, plan: ParallelPlan) -> dict | None:
     """On every rank: train under ``plan``; rank 0 returns the record."""
     job = task(config.task, **config.task_options)
-    trainer = parallelize(
-        job.build_model(),
-        plan,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=config.lr, weight_decay=config.weight_decay),
-    )
+    trainer = parallelize(job.build_model(), plan, optimizer=optimizer_for(config, plan))
     losses, seconds, sent = [], [], []
     saved = SavedActivations(exclude=[p for _, p in trainer.named_parameters()])
     for step in range(config.steps):
