@@ -55,6 +55,12 @@ def pool4() -> Iterator[RestartingPool]:
     yield from _pool(4)
 
 
+@pytest.fixture(scope="module")
+def pool8() -> Iterator[RestartingPool]:
+    """Eight gloo ranks on 127.0.0.1 (hybrid plans), shared by the tests of one module."""
+    yield from _pool(8)
+
+
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
 def pool(request: pytest.FixtureRequest) -> RestartingPool:
     """Each test that asks for ``pool`` runs on 2 and on 4 ranks."""

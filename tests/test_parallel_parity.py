@@ -2,7 +2,7 @@
 ranks, each schedule and 1 or 4 micro-batches, 5 AdamW steps give the losses and final
 weights (``full_state_dict()``) of one process training on the same global batches.
 
-CI runs a subset that covers every plan, schedule and model at least once;
+CI runs 7 that cover every plan, schedule and model at least once;
 ``THINWIRE_PARITY=full`` runs the whole matrix of the issue (about 100 runs).
 
 Tolerances: losses rtol 1e-4. Weights rtol 1e-4 with atol 5e-5 (5 % of one step: the
@@ -22,7 +22,6 @@ from functools import cache
 import numpy as np
 import pytest
 import torch
-from tests.conftest import RestartingPool
 from torch import nn
 
 from thinwire.parallel import ParallelPlan, parallelize
@@ -152,28 +151,15 @@ def configs(full: bool) -> list[tuple[str, tuple[int, int, int], str, int]]:
                             continue  # refused by ParallelPlan (test_parallel_plan.py)
                         out.append((kind, (dp, pp, tp), schedule, microbatches))
         return out
-    return [
+    return [  # every plan once, each schedule, each model
         ("gpt", (2, 2, 2), "1f1b", 4),
         ("gpt", (8, 1, 1), "1f1b", 1),
         ("gpt", (1, 8, 1), "interleaved-1f1b", 4),
-        ("gpt", (1, 2, 4), "gpipe", 1),
         ("llama", (2, 1, 4), "1f1b", 4),
         ("llama", (4, 2, 1), "interleaved-1f1b", 4),
-        ("llama", (2, 4, 1), "1f1b", 4),
-        ("llama", (2, 2, 2), "gpipe", 4),
-        ("hf-llama", (2, 2, 2), "interleaved-1f1b", 4),
         ("hf-llama", (1, 2, 4), "gpipe", 1),
         ("hf-gpt2", (2, 4, 1), "1f1b", 4),
-        ("hf-gpt2", (4, 2, 1), "gpipe", 1),
     ]
-
-
-@pytest.fixture(scope="module")
-def pool8():
-    """Eight gloo ranks on 127.0.0.1, shared by this module's tests."""
-    pool = RestartingPool(WORLD)
-    yield pool
-    pool.close()
 
 
 def check_against_reference(results, kind: str, pp: int, optimizer: str, atol: float) -> None:
