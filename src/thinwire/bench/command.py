@@ -253,6 +253,7 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
             ranks_per_host=args.ranks_per_host,
             bandwidth=args.bandwidth,
             latency=args.latency,
+            compute=args.compute,
         )
     except (ValueError, TypeError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
@@ -263,6 +264,12 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
     except (RuntimeError, OSError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
-    picture = plot_losses(records, out / "losses.png")
+    if config.compute == "sleep":
+        from thinwire.bench.hybrid_sleep import plot_throughput
+
+        title = f"{config.task}, {config.network} {config.bandwidth}, {config.latency}"
+        picture = plot_throughput(records, out / "throughput.png", title)
+    else:
+        picture = plot_losses(records, out / "losses.png")
     console.print(f"results: {out}/results.json   plot: {picture}")
     return 0

@@ -5,7 +5,7 @@ Each plan trains the task's model from the same initialisation on the same globa
 held-out perplexity, the data-parallel bytes each rank sent per step (thinwire's engine's
 count) and the wall time per step. Real compute of 8 ranks on a small machine measures the
 scheduler more than the plan: read these runs for quality; time plans on virtual
-accelerators (``--compute sleep``, to come with the emulated hosts of several ranks).
+accelerators (``compute="sleep"``, :mod:`thinwire.bench.hybrid_sleep`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class HybridConfig:
     ranks_per_host: int = 1
     bandwidth: str = "100mbit"
     latency: str = "1ms"
+    compute: str = "real"
+    """``"real"``: train and evaluate; ``"sleep"``: time ``steps`` steps on virtual
+    accelerators (:mod:`thinwire.bench.hybrid_sleep`), no losses or perplexity."""
 
     def __post_init__(self) -> None:
         sizes = {plan.world_size for plan in self.plans}
@@ -69,6 +72,8 @@ class HybridConfig:
             )
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.compute not in ("real", "sleep"):
+            raise ValueError(f"--compute must be real or sleep, got {self.compute!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
 
@@ -173,20 +178,47 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
             placement = Placement.on(stack.enter_context(cluster))
         pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))
         for plan in config.plans:
-            report(f"training {plan_label(plan)} for {config.steps} steps")
-            results = pool.run(train_plan, config, plan, timeout=config.timeout_s)
-            record = results[0]
-            record["memory_per_rank"] = [r.pop("memory") for r in results]
-            record["peak_memory_bytes"] = max(m["total"] for m in record["memory_per_rank"])
-            report(
-                f"  loss {record['final_loss']:.4f}  perplexity {record['perplexity']:.3f}  "
-                f"{record['step_s']:.2f} s/step  peak memory per rank "
-                f"{record['peak_memory_bytes'] / 2**20:.1f} MiB"
-            )
+            if config.compute == "sleep":
+                record = _time_on_sleeping_ranks(pool, config, plan, report)
+            else:
+                record = _train(pool, config, plan, report)
             records.append(record)
             summary = {"config": _describe(config), "records": records}
             (out / "results.json").write_text(json.dumps(summary, indent=2))
     return records
+
+
+def _train(pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: Any) -> dict:
+    report(f"training {plan_label(plan)} for {config.steps} steps")
+    results = pool.run(train_plan, config, plan, timeout=config.timeout_s)
+    record = results[0]
+    record["memory_per_rank"] = [r.pop("memory") for r in results]
+    record["peak_memory_bytes"] = max(m["total"] for m in record["memory_per_rank"])
+    report(
+        f"  loss {record['final_loss']:.4f}  perplexity {record['perplexity']:.3f}  "
+        f"{record['step_s']:.2f} s/step  peak memory per rank "
+        f"{record['peak_memory_bytes'] / 2**20:.1f} MiB"
+    )
+    return record
+
+
+def _time_on_sleeping_ranks(
+    pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: Any
+) -> dict:
+    from thinwire.bench.hybrid_sleep import profile, sleeping_record, time_plan
+
+    report(f"profiling {plan_label(plan)}'s stages, then {config.steps} sleeping steps")
+    profiles = profile(config, plan)
+    results = pool.run(time_plan, config, plan, profiles, timeout=config.timeout_s)
+    record = sleeping_record(config, plan, profiles, results)
+    report(
+        f"  {record['step_s']:.3f} s/step  {record['tokens_per_s']:.0f} tokens/s  between "
+        f"hosts {record['sent_between_hosts'] / 1e6:.2f} MB/step (model "
+        f"{record['modelled_between_hosts'] / 1e6:.2f})  within hosts "
+        f"{record['sent_within_host'] / 1e6:.2f} MB/step (model "
+        f"{record['modelled_within_host'] / 1e6:.2f})"
+    )
+    return record
 
 
 def _describe(config: HybridConfig) -> dict:

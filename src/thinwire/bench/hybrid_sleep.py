@@ -1,0 +1,155 @@
+"""``thinwire bench --plans --compute sleep``: plans timed on virtual accelerators.
+
+Per plan: every stage's shard is profiled on one process (:mod:`thinwire.bench.plan_profile`,
+one core to itself), then every rank builds the real trainer, takes one real step's
+gradients without exchanging them, and times ``steps`` steps in which each stage sleeps
+its profiled compute and replays its tensor-parallel collectives
+(:mod:`thinwire.bench.sleeping_stages`); the pipeline's sends, the loss, the
+data-parallel exchange (and its compressor) and the optimizer run for real. Each rank
+counts the bytes it sent within its host and to other hosts (the kernel's socket
+counters, :mod:`thinwire.bench.traffic`), beside the cost model's count for the plan
+(:mod:`thinwire.plan.plan_traffic`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from thinwire.bench.plan_profile import StageProfile, profile_plan
+from thinwire.bench.sleeping_stages import capture_gradients, sleep_stages
+from thinwire.bench.traffic import sent_now
+from thinwire.parallel import ParallelPlan, parallelize
+from thinwire.plan.activations import SavedActivations
+from thinwire.plan.plan_traffic import PlanSizes, plan_traffic
+from thinwire.tasks import task
+
+
+def microbatch_size(config: Any, plan: ParallelPlan) -> int:
+    """Sequences per micro-batch: the task's global batch over ``dp * microbatches``."""
+    batch = task(config.task, **config.task_options).batch_size
+    plan.check_batch(batch)
+    return batch // (plan.dp * plan.microbatches)
+
+
+def profile(config: Any, plan: ParallelPlan) -> list[StageProfile]:
+    """Every stage of ``plan`` on the task's model, one micro-batch each."""
+    return profile_plan(config.task, config.task_options, plan, microbatch_size(config, plan))
+
+
+def time_plan(
+    rank: int, world: int, config: Any, plan: ParallelPlan, profiles: list[StageProfile]
+) -> dict:
+    """On every rank: ``config.steps`` sleeping steps under ``plan``; this rank's record."""
+    from thinwire.bench.hybrid import optimizer_for, rank_memory
+
+    job = task(config.task, **config.task_options)
+    trainer = parallelize(job.build_model(), plan, optimizer=optimizer_for(config, plan))
+    inputs, targets = job.global_batch(0)
+    saved = SavedActivations(exclude=[p for _, p in trainer.named_parameters()])
+    with saved:
+        gradients = capture_gradients(trainer, inputs, targets)
+    sleep_stages(trainer, profiles, gradients)
+    seconds, within, between = [], [], []
+    for _ in range(config.steps):
+        before = sent_now()
+        start = time.perf_counter()
+        trainer.step(inputs, targets)
+        seconds.append(time.perf_counter() - start)
+        sent = sent_now() - before
+        within.append(sent.within_host)
+        between.append(sent.between_hosts)
+    trainer.close()
+    timed = slice(1, None) if config.steps > 1 else slice(None)
+    return {
+        "step_s": statistics.median(seconds[timed]),
+        "steps_s": seconds,
+        "sent_within_host": statistics.mean(within[timed]),
+        "sent_between_hosts": statistics.mean(between[timed]),
+        "memory": rank_memory(trainer, saved.peak_bytes),
+    }
+
+
+def modelled_traffic(
+    plan: ParallelPlan, profiles: list[StageProfile], ranks_per_host: int
+) -> list[dict[str, float]]:
+    """The cost model's bytes per rank per step for ``plan`` with these stage sizes."""
+    ordered = sorted(profiles, key=lambda p: p.index)
+    sizes = PlanSizes(
+        pp=plan.pp,
+        dp=plan.dp,
+        tp=plan.tp,
+        chunks=plan.chunks // plan.pp,
+        microbatches=plan.microbatches,
+        tp_allreduce_bytes=[p.tp_allreduce_bytes for p in ordered],
+        activation_bytes=[p.activation_bytes for p in ordered],
+        dp_bytes=[p.dp_sent_bytes for p in ordered],
+    )
+    return plan_traffic(sizes, ranks_per_host)
+
+
+def sleeping_record(
+    config: Any, plan: ParallelPlan, profiles: list[StageProfile], results: list[dict]
+) -> dict:
+    """The plan's record from every rank's: step time, tokens per second, bytes per rank
+    measured and modelled, memory per rank, the profiled compute."""
+    from thinwire.bench.plans import plan_label
+
+    job = task(config.task, **config.task_options)
+    tokens = job.batch_size * job.seq_len
+    step_s = results[0]["step_s"]
+    per_host = config.ranks_per_host if config.network == "emulated" else plan.world_size
+    modelled = modelled_traffic(plan, profiles, per_host)
+    return {
+        "plan": plan_label(plan),
+        "degrees": {"dp": plan.dp, "pp": plan.pp, "tp": plan.tp},
+        "compute": "sleep",
+        "step_s": step_s,
+        "steps_s": results[0]["steps_s"],
+        "tokens_per_s": tokens / step_s,
+        "stage_compute_s": [
+            {"stage": p.index, "forward": p.forward.compute_s, "backward": p.backward.compute_s}
+            for p in sorted(profiles, key=lambda p: p.index)
+        ],
+        "sent_per_rank": [
+            {"within_host": r["sent_within_host"], "between_hosts": r["sent_between_hosts"]}
+            for r in results
+        ],
+        "modelled_per_rank": modelled,
+        "sent_between_hosts": sum(r["sent_between_hosts"] for r in results),
+        "modelled_between_hosts": sum(m["between_hosts"] for m in modelled),
+        "sent_within_host": sum(r["sent_within_host"] for r in results),
+        "modelled_within_host": sum(m["within_host"] for m in modelled),
+        "memory_per_rank": [r["memory"] for r in results],
+        "peak_memory_bytes": max(r["memory"]["total"] for r in results),
+    }
+
+
+def plot_throughput(records: list[dict], path: Any, title: str = "") -> Any:
+    """Tokens per second of each plan (bars), labelled with the bytes each step sent
+    between hosts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(records) + 1.5))
+    labels = [r["plan"] for r in records]
+    values = [r["tokens_per_s"] for r in records]
+    bars = ax.barh(labels, values, color="tab:blue")
+    for bar, record in zip(bars, records, strict=True):
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {record['sent_between_hosts'] / 1e6:.1f} MB between hosts",
+            va="center",
+            fontsize=7,
+        )
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens per second (virtual accelerators)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,254 @@
+"""What each pipeline stage of a plan computes and which tensor-parallel collectives it
+issues, measured on one process: the virtual accelerators' script for ``--compute sleep``.
+
+For every stage of the plan, a fresh process joins PyTorch's *fake* process group (no
+traffic: a collective returns at once) as a rank of that stage, builds the stage's
+tensor-parallel shard exactly as :func:`thinwire.parallelize` does, and runs a micro-batch
+forward and backward through it while a dispatch mode notes each collective (its shape,
+dtype and the time since the last one). The gaps between collectives are the shard's
+compute on this machine's core; the collectives are the ones the real shard issues
+(``ColwiseParallel``/``RowwiseParallel``'s all-reduces, the vocabulary-parallel embedding's).
+:mod:`thinwire.bench.sleeping_stages` replays them on the real ranks: sleep a gap, run the
+collective on the real ``"tp"`` group, and so on.
+
+The loss is not profiled: the sleeping ranks compute it for real (it is small, and its
+all-reduces are part of the step).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: the collectives a stage may issue (functional ones from DTensor, c10d's from plain calls)
+ALL_REDUCES = ("_c10d_functional.all_reduce.default", "c10d.allreduce_.default")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One all-reduce a stage issues on its ``"tp"`` group, ``gap_s`` after the last."""
+
+    gap_s: float
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's size in bytes."""
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.torch_dtype).itemsize
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The tensor's dtype."""
+        return getattr(torch, self.dtype.removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A forward or backward pass: its collectives in order, then ``tail_s`` of compute."""
+
+    collectives: tuple[Collective, ...]
+    tail_s: float
+
+    @property
+    def compute_s(self) -> float:
+        """The pass's compute: every gap and the tail."""
+        return self.tail_s + sum(c.gap_s for c in self.collectives)
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One stage (one model chunk) of a plan, on one micro-batch, as one of its ranks."""
+
+    index: int
+    forward: Pass
+    backward: Pass
+    output_shape: tuple[int, ...]
+    output_dtype: str
+    parameter_shapes: tuple[tuple[int, ...], ...]
+    """The shards this stage's rank holds (what its data-parallel group exchanges)."""
+    loss_collectives: tuple[Collective, ...] = ()
+    """The all-reduces of the vocabulary-parallel loss (last stage, ``tp > 1``), per
+    micro-batch: counted, not replayed (the sleeping ranks compute the loss for real)."""
+    dp_sent_bytes: float = 0.0
+    """What one rank of this stage sends per step in its data-parallel exchange, as the
+    planner's cost model counts it (:func:`thinwire.plan.profile_method.measure_method`)."""
+
+    @property
+    def tp_allreduce_bytes(self) -> list[int]:
+        """The sizes of every tensor-parallel all-reduce per micro-batch."""
+        passes = (*self.forward.collectives, *self.backward.collectives, *self.loss_collectives)
+        return [c.nbytes for c in passes]
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of the hidden states it hands the next stage per micro-batch (and of the
+        gradient it gets back)."""
+        return torch.Size(self.output_shape).numel() * 4
+
+
+class _CollectiveLog(TorchDispatchMode):
+    """Notes every all-reduce dispatched under it, with the time since the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives: list[Collective] = []
+        self.last = time.perf_counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func) in ALL_REDUCES:
+            now = time.perf_counter()
+            tensors = [a for a in _flatten(args) if isinstance(a, torch.Tensor)]
+            for tensor in tensors:
+                self.collectives.append(
+                    Collective(now - self.last, tuple(tensor.shape), str(tensor.dtype))
+                )
+                now = self.last = time.perf_counter()
+            result = func(*args, **(kwargs or {}))
+            self.last = time.perf_counter()
+            return result
+        return func(*args, **(kwargs or {}))
+
+    def finish(self) -> Pass:
+        """The pass so far, its tail up to now."""
+        return Pass(tuple(self.collectives), time.perf_counter() - self.last)
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _flatten(item)]
+    return [value]
+
+
+def _median_pass(passes: list[Pass]) -> Pass:
+    """Per gap, the median over repeats (the collectives are the same in every repeat)."""
+    first = passes[0]
+    collectives = tuple(
+        Collective(statistics.median(p.collectives[i].gap_s for p in passes), c.shape, c.dtype)
+        for i, c in enumerate(first.collectives)
+    )
+    return Pass(collectives, statistics.median(p.tail_s for p in passes))
+
+
+def _profile_in_fake_world(
+    task_name: str, task_options: dict[str, Any], plan: Any, index: int, microbatch: int, repeats: int
+) -> StageProfile:
+    """In a fresh process: stage ``index`` of ``plan``'s shard, timed on one micro-batch."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from thinwire.parallel.layout import read_layout, submodule
+    from thinwire.parallel.loss import sharded_loss
+    from thinwire.parallel.mesh import make_mesh
+    from thinwire.parallel.stages import StageModule, even_boundaries, stage_ranges
+    from thinwire.parallel.tensor import apply_tensor_parallel
+    from thinwire.tasks import task
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        job = task(task_name, **task_options)
+        model = job.build_model()
+        layout = read_layout(model)
+        blocks = len(submodule(model, layout.blocks))
+        ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
+        stage = StageModule(
+            model, layout, ranges[index], first=index == 0, last=index == plan.chunks - 1
+        )
+        mesh = make_mesh(plan)
+        if plan.tp > 1:
+            apply_tensor_parallel(stage, mesh["tp"])
+        loss = sharded_loss(None, mesh["tp"] if plan.tp > 1 else None, layout.vocab)
+        tokens, targets = job.global_batch(0)
+        tokens, targets = tokens[:microbatch], targets[:microbatch]
+        forwards, backwards, output, loss_log = [], [], None, _CollectiveLog()
+        for _ in range(repeats + 1):
+            if stage.first:
+                x = tokens
+            else:
+                x = torch.randn(microbatch, tokens.shape[1], layout_dim(model), requires_grad=True)
+            log = _CollectiveLog()
+            with log:
+                output = stage(x)
+            forwards.append(log.finish())
+            if stage.last:
+                loss_log = _CollectiveLog()
+                with loss_log, torch.no_grad():
+                    loss(output.detach(), targets)
+            grad = torch.randn_like(output)
+            log = _CollectiveLog()
+            with log:
+                output.backward(grad)
+            backwards.append(log.finish())
+            stage.zero_grad(set_to_none=True)
+        assert output is not None
+        shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
+        return StageProfile(
+            index,
+            _median_pass(forwards[1:]),
+            _median_pass(backwards[1:]),
+            tuple(output.shape),
+            str(output.dtype),
+            shapes,
+            loss_collectives=loss_log.finish().collectives,
+            dp_sent_bytes=_dp_sent_bytes(plan, shapes),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _dp_sent_bytes(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> float:
+    from thinwire.plan.profile_method import measure_method
+
+    if plan.dp == 1:
+        return 0.0
+    params = [(f"p{i}", torch.randn(shape)) for i, shape in enumerate(shapes)]
+    cost = measure_method(
+        plan.dp_method, params, world_size=plan.dp, options=plan.dp_options, repeats=1
+    )
+    return cost.sent_bytes(plan.dp)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def layout_dim(model: torch.nn.Module) -> int:
+    """The model's hidden size (the width of what stages hand each other)."""
+    for name in ("dim", "hidden_size", "n_embd"):
+        value = getattr(getattr(model, "config", None), name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(
+        f"cannot tell {type(model).__name__}'s hidden size (no config.dim, hidden_size or "
+        "n_embd): --compute sleep with pipeline stages needs it"
+    )
+
+
+def profile_plan(
+    task_name: str,
+    task_options: dict[str, Any],
+    plan: Any,
+    microbatch: int,
+    repeats: int = 3,
+) -> list[StageProfile]:
+    """Every stage of ``plan``, each in a fresh process on the fake process group, one
+    after another (so that each has this machine's core to itself)."""
+    context = multiprocessing.get_context("spawn")
+    profiles = []
+    for index in range(plan.chunks):
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            profiles.append(
+                pool.submit(
+                    _profile_in_fake_world,
+                    task_name, task_options, plan, index, microbatch, repeats,
+                ).result()  # fmt: skip
+            )
+    return profiles
