@@ -138,7 +138,12 @@ def _median_pass(passes: list[Pass]) -> Pass:
 
 
 def _profile_in_fake_world(
-    task_name: str, task_options: dict[str, Any], plan: Any, index: int, microbatch: int, repeats: int
+    task_name: str,
+    task_options: dict[str, Any],
+    plan: Any,
+    index: int,
+    microbatch: int,
+    repeats: int,
 ) -> StageProfile:
     """In a fresh process: stage ``index`` of ``plan``'s shard, timed on one micro-batch."""
     import torch.distributed as dist
@@ -248,7 +253,12 @@ def profile_plan(
             profiles.append(
                 pool.submit(
                     _profile_in_fake_world,
-                    task_name, task_options, plan, index, microbatch, repeats,
-                ).result()  # fmt: skip
+                    task_name,
+                    task_options,
+                    plan,
+                    index,
+                    microbatch,
+                    repeats,
+                ).result()
             )
     return profiles

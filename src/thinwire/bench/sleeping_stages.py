@@ -58,8 +58,9 @@ class _SleepingStage(torch.autograd.Function):
         sleeper: SleepingStage = ctx.sleeper
         replay(sleeper.profile.backward, sleeper.group)
         sleeper.accumulate_gradients()
-        floating = ctx.input_dtype.is_floating_point
-        return (torch.zeros(ctx.input_shape, dtype=ctx.input_dtype) if floating else None), None, None
+        if not ctx.input_dtype.is_floating_point:  # tokens
+            return None, None, None
+        return torch.zeros(ctx.input_shape, dtype=ctx.input_dtype), None, None
 
 
 class SleepingStage:

@@ -64,8 +64,7 @@ def sent_now() -> Traffic:
     """What this process's open TCP sockets have sent so far."""
     if shutil.which("ss") is None:
         raise RuntimeError(
-            "counting bytes per link needs `ss` (Debian package iproute2): apt-get install "
-            "iproute2"
+            "counting bytes per link needs `ss` (Debian package iproute2): apt-get install iproute2"
         )
     text = subprocess.run(
         ["ss", "-tinpH", "state", "established"],
