@@ -8,7 +8,10 @@ its profiled compute and replays its tensor-parallel collectives
 data-parallel exchange (and its compressor) and the optimizer run for real. Each rank
 counts the bytes it sent within its host and to other hosts (the kernel's socket
 counters, :mod:`thinwire.bench.traffic`), beside the cost model's count for the plan
-(:mod:`thinwire.plan.plan_traffic`).
+(:mod:`thinwire.plan.plan_traffic`), and what the real forward and backward pass sent (the
+pipeline's and tensor parallelism's traffic without the data-parallel exchange, at the
+second real step, past the schedule's shape inference: under ``dp=1`` the sleeping steps
+must send the same).
 """
 
 from __future__ import annotations
@@ -48,8 +51,13 @@ def time_plan(
     trainer = parallelize(job.build_model(), plan, optimizer=optimizer_for(config, plan))
     inputs, targets = job.global_batch(0)
     saved = SavedActivations(exclude=[p for _, p in trainer.named_parameters()])
+    # the schedule's first step also infers shapes (an extra forward on some stages): the
+    # second real step is the one a sleeping step must match
     with saved:
-        gradients = capture_gradients(trainer, inputs, targets)
+        capture_gradients(trainer, inputs, targets)
+    before = sent_now()
+    gradients = capture_gradients(trainer, inputs, targets)
+    real = sent_now() - before
     sleep_stages(trainer, profiles, gradients)
     seconds, within, between = [], [], []
     for _ in range(config.steps):
@@ -68,6 +76,7 @@ def time_plan(
         "sent_within_host": statistics.mean(within[timed]),
         "sent_between_hosts": statistics.mean(between[timed]),
         "memory": rank_memory(trainer, saved.peak_bytes),
+        "real_step_sent": real.within_host + real.between_hosts,
     }
 
 
@@ -121,6 +130,7 @@ def sleeping_record(
         "modelled_between_hosts": sum(m["between_hosts"] for m in modelled),
         "sent_within_host": sum(r["sent_within_host"] for r in results),
         "modelled_within_host": sum(m["within_host"] for m in modelled),
+        "real_forward_backward_sent": sum(r.get("real_step_sent", 0) for r in results),
         "memory_per_rank": [r["memory"] for r in results],
         "peak_memory_bytes": max(r["memory"]["total"] for r in results),
     }
@@ -147,6 +157,7 @@ def plot_throughput(records: list[dict], path: Any, title: str = "") -> Any:
             fontsize=7,
         )
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.45 * max(values))
     ax.set_xlabel("tokens per second (virtual accelerators)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()

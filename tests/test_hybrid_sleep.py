@@ -1,0 +1,217 @@
+"""Plans timed on virtual accelerators (``thinwire bench --plans --compute sleep``): the cost
+model's bytes per link, the kernel's socket counters, the stage profiles, and a run on
+emulated hosts whose measured bytes must match both the model and the real step."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from thinwire.bench.hybrid import HybridConfig
+from thinwire.bench.plans import parse_plan
+from thinwire.bench.traffic import Traffic, parse_ss, sent_now
+from thinwire.cli import main
+from thinwire.cluster import check_can_emulate
+from thinwire.plan.plan_traffic import PlanSizes, coordinates, plan_traffic, rank_at
+
+pytestmark = pytest.mark.timeout(600)
+
+MB = 1_000_000
+
+
+def sizes(pp: int, dp: int, tp: int, chunks: int = 1, microbatches: int = 1) -> PlanSizes:
+    stages = pp * chunks
+    return PlanSizes(
+        pp=pp, dp=dp, tp=tp, chunks=chunks, microbatches=microbatches,
+        tp_allreduce_bytes=[[MB, MB]] * stages,  # two all-reduces of 1 MB per micro-batch
+        activation_bytes=[3 * MB] * stages,
+        dp_bytes=[10 * MB] * stages,
+    )  # fmt: skip
+
+
+def test_mesh_coordinates_put_tensor_parallel_innermost() -> None:
+    s = sizes(2, 2, 2)
+    assert [coordinates(r, s) for r in (0, 1, 2, 5, 7)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1),
+    ]  # fmt: skip
+    assert all(rank_at(*coordinates(r, s), s) == r for r in range(8))
+
+
+def test_pure_data_parallel_crosses_hosts_only_where_the_ring_does() -> None:
+    traffic = plan_traffic(sizes(1, 8, 1), ranks_per_host=4)
+    # the ring 0..7: rank 3 sends to 4 and rank 7 to 0 over the slow link, the rest stay home
+    assert [t["between_hosts"] for t in traffic] == [0, 0, 0, 10 * MB, 0, 0, 0, 10 * MB]
+    assert [t["within_host"] for t in traffic] == [10 * MB] * 3 + [0] + [10 * MB] * 3 + [0]
+
+
+def test_a_pipeline_across_hosts_sends_activations_forward_and_gradients_back() -> None:
+    traffic = plan_traffic(sizes(2, 2, 2, microbatches=4), ranks_per_host=4)
+    ring = 2 * (2 - 1) / 2 * (2 * MB) * 4  # tp: 2 x 1 MB per micro-batch, 4 micro-batches
+    for rank, t in enumerate(traffic):
+        # stage 0 (ranks 0-3) sends 4 micro-batches of activations; stage 1 their gradients
+        assert t["between_hosts"] == 4 * 3 * MB
+        assert t["within_host"] == ring + 10 * MB  # tensor and data parallel inside the host
+    # one host per rank: now tensor parallelism crosses too
+    apart = plan_traffic(sizes(2, 2, 2, microbatches=4), ranks_per_host=1)
+    assert all(t["within_host"] == 0 for t in apart)
+    assert apart[0]["between_hosts"] == 4 * 3 * MB + ring + 10 * MB
+
+
+def test_interleaved_chunks_send_around_the_pipeline_ring() -> None:
+    # 2 pipeline ranks x 2 chunks: stages 0,2 on pp rank 0 and 1,3 on pp rank 1
+    traffic = plan_traffic(sizes(2, 1, 1, chunks=2, microbatches=2), ranks_per_host=1)
+    # rank 0: stage 0 sends forward; stage 2 sends forward and back. rank 1: stage 1 both
+    # ways, stage 3 back only
+    assert traffic[0]["between_hosts"] == 3 * 2 * 3 * MB
+    assert traffic[1]["between_hosts"] == 3 * 2 * 3 * MB
+
+
+def test_bad_ranks_per_host_is_refused() -> None:
+    with pytest.raises(ValueError, match="ranks_per_host must be >= 1"):
+        plan_traffic(sizes(1, 2, 1), ranks_per_host=0)
+
+
+SS = """\
+0      0      198.18.0.1:41000 198.18.0.2:29500 users:(("python",pid=42,fd=7))
+\t cubic rtt:1/1 bytes_sent:5000 bytes_acked:5001 bytes_received:10
+0      0      198.18.0.1:41002 198.18.0.1:41003 users:(("python",pid=42,fd=8))
+\t cubic rtt:1/1 bytes_sent:700 bytes_acked:701
+0      0      198.18.0.1:41004 198.18.0.1:41005 users:(("python",pid=43,fd=8))
+\t cubic rtt:1/1 bytes_sent:999 bytes_acked:999
+0      0      198.18.0.1:41006 198.18.0.3:41007 users:(("python",pid=42,fd=9))
+\t cubic rtt:1/1 bytes_received:123
+"""
+
+
+def test_socket_counters_are_split_by_the_peer_address() -> None:
+    assert parse_ss(SS, pid=42) == Traffic(within_host=700, between_hosts=5000)
+    assert parse_ss(SS, pid=43) == Traffic(within_host=998, between_hosts=0)
+    assert parse_ss(SS, pid=44) == Traffic()
+
+
+def test_this_process_sees_what_it_sent_over_loopback() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    before = sent_now()
+    with socket.create_connection(server.getsockname()) as client:
+        peer, _ = server.accept()
+        client.sendall(b"x" * 200_000)
+        received = 0
+        while received < 200_000:
+            received += len(peer.recv(1 << 16))
+        after = sent_now()
+        peer.close()
+    server.close()
+    sent = after - before
+    assert sent.between_hosts == 0
+    assert 200_000 <= sent.within_host < 201_000
+
+
+def test_compute_must_be_real_or_sleep() -> None:
+    with pytest.raises(ValueError, match="--compute must be real or sleep"):
+        HybridConfig(task="gpt", plans=(parse_plan("2x1x1"),), steps=2, compute="fast")
+
+
+TINY = {"dim": 32, "layers": 2, "heads": 4, "seq_len": 16, "batch_size": 8, "vocab": 256,
+        "max_bytes": 200_000, "eval_tokens": 512}  # fmt: skip
+
+
+def test_a_stage_profile_notes_the_shards_collectives_and_compute(tmp_path, monkeypatch) -> None:
+    from thinwire.bench.plan_profile import profile_plan
+
+    monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path))
+    plan = parse_plan("1x2x2/mb2")
+    first, last = profile_plan("gpt", TINY, plan, microbatch=4, repeats=1)
+    hidden = 4 * 16 * 32 * 4  # micro-batch x tokens x dim, fp32
+    # the first stage: the vocabulary-parallel embedding's all-reduce, then one after
+    # attention and one after the MLP; its backward reduces the input gradients of
+    # query, key, value and the MLP's up projection (the embedding's input is tokens)
+    assert [c.nbytes for c in first.forward.collectives] == [hidden] * 3
+    assert [c.nbytes for c in first.backward.collectives] == [hidden] * 4
+    assert first.output_shape == (4, 16, 32) and first.activation_bytes == hidden
+    # the last stage: its block, and the head's input gradient; logits stay sharded
+    assert [c.nbytes for c in last.forward.collectives] == [hidden] * 2
+    assert [c.nbytes for c in last.backward.collectives] == [hidden] * 5
+    assert last.output_shape == (4, 16, 128)
+    assert len(last.loss_collectives) == 2 and not first.loss_collectives
+    assert first.forward.compute_s > 0 and last.backward.compute_s > 0
+    assert first.dp_sent_bytes == 0  # dp=1
+
+
+#: large enough that payloads outweigh gloo's per-message headers in the byte counts
+SMALL = {**TINY, "dim": 64, "seq_len": 32}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")
+def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--task", "gpt", "--plans", "2x2x1/mb2:powersgd(rank=2) 1x2x2/mb2",
+        "--compute", "sleep", "--ranks-per-host", "2", "--bandwidth", "100mbit",
+        "--latency", "1ms", "--steps", "3", "--task-options", json.dumps(SMALL),
+        "--out", str(out), "--timeout", "300",
+    ])  # fmt: skip
+    assert code == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert (out / "throughput.png").exists()
+    for record in records:
+        assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
+        # pipeline stages on separate hosts: activations cross, the rest stays home
+        assert record["sent_between_hosts"] == pytest.approx(
+            record["modelled_between_hosts"], rel=0.05
+        )
+        assert record["sent_within_host"] == pytest.approx(
+            record["modelled_within_host"], rel=0.05
+        )
+        assert record["sent_between_hosts"] > 0 and record["sent_within_host"] > 0
+        # each step sleeps at least the profiled compute of a stage's micro-batches
+        compute = max(s["forward"] + s["backward"] for s in record["stage_compute_s"])
+        assert record["step_s"] > 2 * compute
+    # without data parallelism a sleeping step sends what the real forward and backward
+    # pass sent (its second step: the first also infers shapes): the replayed collectives
+    # are the real ones
+    sleeping = records[1]["sent_between_hosts"] + records[1]["sent_within_host"]
+    assert sleeping == pytest.approx(records[1]["real_forward_backward_sent"], rel=0.01)
+
+
+def _hybrid_table():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "hybrid_table.py"
+    spec = importlib.util.spec_from_file_location("hybrid_table", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(bandwidth: str, dense: float, best: float) -> dict:
+    def record(plan: str, dp: int, pp: int, tokens: float) -> dict:
+        return {"plan": plan, "degrees": {"dp": dp, "pp": pp, "tp": 1},
+                "tokens_per_s": tokens, "sent_between_hosts": 2e6,
+                "modelled_between_hosts": 1.9e6}  # fmt: skip
+
+    return {
+        "bandwidth": bandwidth,
+        "records": [record("4x2x1/mb4/1f1b", 4, 2, best), record("8x1x1/mb1/1f1b", 8, 1, dense)],
+    }
+
+
+def test_the_bandwidth_table_compares_each_plan_with_dense_data_parallelism(tmp_path) -> None:
+    module = _hybrid_table()
+    runs = [_run("10mbit", 10.0, 80.0), _run("1gbit", 100.0, 150.0)]
+    text = module.table(runs)
+    assert "| 4x2x1/mb4/1f1b | 80 | 8.00 | 2.0 (1.9) | 150 | 1.50 | 2.0 (1.9) |" in text
+    assert "| 8x1x1/mb1/1f1b | 10 | 1.00 |" in text
+    module.plot(runs, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    runs[1]["records"][0]["plan"] = "2x2x2/mb4/1f1b"
+    with pytest.raises(SystemExit, match="same plans in the same order"):
+        module.table(runs)
+    without = {"bandwidth": "1gbit", "records": [runs[0]["records"][0]]}
+    with pytest.raises(SystemExit, match="dense data-parallel plan"):
+        module.speedups(without)
