@@ -1,7 +1,8 @@
 """Hybrid plans across bandwidths: one markdown table and one figure from the results of
 ``thinwire bench --plans --compute sleep`` runs (one run per bandwidth).
 
-    python bench/hybrid_table.py docs/results/hybrid-throughput-{10mbit,100mbit,1gbit}/results.json \
+    python bench/hybrid_table.py \
+        docs/results/hybrid-throughput-{10mbit,100mbit,1gbit}/results.json \
         --plot docs/results/hybrid-throughput.png
 
 Per plan and bandwidth: tokens per second on the virtual accelerators, the speed-up over

@@ -49,7 +49,7 @@ def test_pure_data_parallel_crosses_hosts_only_where_the_ring_does() -> None:
 def test_a_pipeline_across_hosts_sends_activations_forward_and_gradients_back() -> None:
     traffic = plan_traffic(sizes(2, 2, 2, microbatches=4), ranks_per_host=4)
     ring = 2 * (2 - 1) / 2 * (2 * MB) * 4  # tp: 2 x 1 MB per micro-batch, 4 micro-batches
-    for rank, t in enumerate(traffic):
+    for t in traffic:
         # stage 0 (ranks 0-3) sends 4 micro-batches of activations; stage 1 their gradients
         assert t["between_hosts"] == 4 * 3 * MB
         assert t["within_host"] == ring + 10 * MB  # tensor and data parallel inside the host
@@ -163,9 +163,7 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
         assert record["sent_between_hosts"] == pytest.approx(
             record["modelled_between_hosts"], rel=0.05
         )
-        assert record["sent_within_host"] == pytest.approx(
-            record["modelled_within_host"], rel=0.05
-        )
+        assert record["sent_within_host"] == pytest.approx(record["modelled_within_host"], rel=0.05)
         assert record["sent_between_hosts"] > 0 and record["sent_within_host"] > 0
         # each step sleeps at least the profiled compute of a stage's micro-batches
         compute = max(s["forward"] + s["backward"] for s in record["stage_compute_s"])
