@@ -149,30 +149,27 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     code = main([
-        "bench", "--task", "gpt", "--plans", "2x2x1/mb2:powersgd(rank=2) 1x2x2/mb2",
-        "--compute", "sleep", "--ranks-per-host", "2", "--bandwidth", "100mbit",
-        "--latency", "1ms", "--steps", "3", "--task-options", json.dumps(SMALL),
-        "--out", str(out), "--timeout", "300",
+        "bench", "--task", "gpt", "--plans", "1x2x2/mb2", "--compute", "sleep",
+        "--ranks-per-host", "2", "--bandwidth", "100mbit", "--latency", "1ms", "--steps", "3",
+        "--task-options", json.dumps(SMALL), "--out", str(out), "--timeout", "300",
     ])  # fmt: skip
     assert code == 0
-    records = json.loads((out / "results.json").read_text())["records"]
+    (record,) = json.loads((out / "results.json").read_text())["records"]
     assert (out / "throughput.png").exists()
-    for record in records:
-        assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
-        # pipeline stages on separate hosts: activations cross, the rest stays home
-        assert record["sent_between_hosts"] == pytest.approx(
-            record["modelled_between_hosts"], rel=0.05
-        )
-        assert record["sent_within_host"] == pytest.approx(record["modelled_within_host"], rel=0.05)
-        assert record["sent_between_hosts"] > 0 and record["sent_within_host"] > 0
-        # each step sleeps at least the profiled compute of a stage's micro-batches
-        compute = max(s["forward"] + s["backward"] for s in record["stage_compute_s"])
-        assert record["step_s"] > 2 * compute
-    # without data parallelism a sleeping step sends what the real forward and backward
-    # pass sent (its second step: the first also infers shapes): the replayed collectives
-    # are the real ones
-    sleeping = records[1]["sent_between_hosts"] + records[1]["sent_within_host"]
-    assert sleeping == pytest.approx(records[1]["real_forward_backward_sent"], rel=0.01)
+    assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
+    # the two stages on separate hosts: activations and their gradients cross; tensor
+    # parallelism stays inside each host. The model counts both (data-parallel traffic is
+    # checked against it in the 25 M runs of docs/measurements.md)
+    assert record["sent_between_hosts"] == pytest.approx(record["modelled_between_hosts"], rel=0.05)
+    assert record["sent_within_host"] == pytest.approx(record["modelled_within_host"], rel=0.05)
+    assert record["sent_between_hosts"] > 0 and record["sent_within_host"] > 0
+    # each step sleeps at least the profiled compute of a stage's two micro-batches
+    compute = max(s["forward"] + s["backward"] for s in record["stage_compute_s"])
+    assert record["step_s"] > 2 * compute
+    # a sleeping step sends what the real forward and backward pass sent (its second
+    # step: the first also infers shapes): the replayed collectives are the real ones
+    sleeping = record["sent_between_hosts"] + record["sent_within_host"]
+    assert sleeping == pytest.approx(record["real_forward_backward_sent"], rel=0.01)
 
 
 def _hybrid_table():

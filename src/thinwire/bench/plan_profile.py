@@ -138,14 +138,10 @@ def _median_pass(passes: list[Pass]) -> Pass:
 
 
 def _profile_in_fake_world(
-    task_name: str,
-    task_options: dict[str, Any],
-    plan: Any,
-    index: int,
-    microbatch: int,
-    repeats: int,
-) -> StageProfile:
-    """In a fresh process: stage ``index`` of ``plan``'s shard, timed on one micro-batch."""
+    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int
+) -> list[StageProfile]:
+    """In a fresh process on the fake process group: every stage of ``plan``, one after
+    another, each timed on one micro-batch."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -164,49 +160,61 @@ def _profile_in_fake_world(
         layout = read_layout(model)
         blocks = len(submodule(model, layout.blocks))
         ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
-        stage = StageModule(
-            model, layout, ranges[index], first=index == 0, last=index == plan.chunks - 1
-        )
         mesh = make_mesh(plan)
-        if plan.tp > 1:
-            apply_tensor_parallel(stage, mesh["tp"])
         loss = sharded_loss(None, mesh["tp"] if plan.tp > 1 else None, layout.vocab)
         tokens, targets = job.global_batch(0)
-        tokens, targets = tokens[:microbatch], targets[:microbatch]
-        forwards, backwards, output, loss_log = [], [], None, _CollectiveLog()
-        for _ in range(repeats + 1):
-            if stage.first:
-                x = tokens
-            else:
-                x = torch.randn(microbatch, tokens.shape[1], layout_dim(model), requires_grad=True)
-            log = _CollectiveLog()
-            with log:
-                output = stage(x)
-            forwards.append(log.finish())
-            if stage.last:
-                loss_log = _CollectiveLog()
-                with loss_log, torch.no_grad():
-                    loss(output.detach(), targets)
-            grad = torch.randn_like(output)
-            log = _CollectiveLog()
-            with log:
-                output.backward(grad)
-            backwards.append(log.finish())
-            stage.zero_grad(set_to_none=True)
-        assert output is not None
-        shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
-        return StageProfile(
-            index,
-            _median_pass(forwards[1:]),
-            _median_pass(backwards[1:]),
-            tuple(output.shape),
-            str(output.dtype),
-            shapes,
-            loss_collectives=loss_log.finish().collectives,
-            dp_sent_bytes=_dp_sent_bytes(plan, shapes),
-        )
+        batch = (tokens[:microbatch], targets[:microbatch])
+        profiles = []
+        for index, blocks_of_stage in enumerate(ranges):
+            stage = StageModule(
+                model, layout, blocks_of_stage, first=index == 0, last=index == plan.chunks - 1
+            )
+            if plan.tp > 1:
+                apply_tensor_parallel(stage, mesh["tp"])
+            profiles.append(_profile_stage(index, stage, loss, batch, plan, repeats))
+        return profiles
     finally:
         dist.destroy_process_group()
+
+
+def _profile_stage(
+    index: int, stage: Any, loss: Any, batch: tuple[torch.Tensor, torch.Tensor], plan: Any,
+    repeats: int,
+) -> StageProfile:  # fmt: skip
+    tokens, targets = batch
+    forwards, backwards, output, loss_log = [], [], None, _CollectiveLog()
+    for _ in range(repeats + 1):
+        if stage.first:
+            x = tokens
+        else:
+            width = layout_dim(stage.model)
+            x = torch.randn(tokens.shape[0], tokens.shape[1], width, requires_grad=True)
+        log = _CollectiveLog()
+        with log:
+            output = stage(x)
+        forwards.append(log.finish())
+        if stage.last:
+            loss_log = _CollectiveLog()
+            with loss_log, torch.no_grad():
+                loss(output.detach(), targets)
+        grad = torch.randn_like(output)
+        log = _CollectiveLog()
+        with log:
+            output.backward(grad)
+        backwards.append(log.finish())
+        stage.zero_grad(set_to_none=True)
+    assert output is not None
+    shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
+    return StageProfile(
+        index,
+        _median_pass(forwards[1:]),
+        _median_pass(backwards[1:]),
+        tuple(output.shape),
+        str(output.dtype),
+        shapes,
+        loss_collectives=loss_log.finish().collectives,
+        dp_sent_bytes=_dp_sent_bytes(plan, shapes),
+    )
 
 
 def _dp_sent_bytes(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> float:
@@ -244,21 +252,10 @@ def profile_plan(
     microbatch: int,
     repeats: int = 3,
 ) -> list[StageProfile]:
-    """Every stage of ``plan``, each in a fresh process on the fake process group, one
-    after another (so that each has this machine's core to itself)."""
+    """Every stage of ``plan``, profiled one after another in a fresh process on the fake
+    process group (so that each has this machine's core to itself)."""
     context = multiprocessing.get_context("spawn")
-    profiles = []
-    for index in range(plan.chunks):
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-            profiles.append(
-                pool.submit(
-                    _profile_in_fake_world,
-                    task_name,
-                    task_options,
-                    plan,
-                    index,
-                    microbatch,
-                    repeats,
-                ).result()
-            )
-    return profiles
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(
+            _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats
+        ).result()
