@@ -1,0 +1,337 @@
+"""A pipeline schedule's step, simulated action by action (pure Python, no torch).
+
+Every pipeline rank runs the program PyTorch's schedule runs for its stage
+(``torch.distributed.pipelining``'s :class:`ScheduleGPipe` and :class:`Schedule1F1B`, one
+model chunk per rank): computes, posts sends and receives, and waits, in that order, with
+the same waits. Where the real 1F1B waits for a forward send together with the next
+gradient's receive, so does the simulation: the bubble comes out of the schedule's own
+dependencies, not out of the textbook ``(p - 1) / (m + p - 1)``.
+
+A message between stages ``b`` and ``b + 1`` (a micro-batch's activation forward, its
+gradient backward) goes as gloo's TCP transport sends it: the receiver's posted receive
+sends a small "ready" note to the sender; the data leaves once the send is posted and the
+note is in. Each way between two ranks is one byte stream, first in first out, carrying
+that side's data and its ready notes for the other way, so a note waits behind the data
+queued before it. That is why torch's pipelining over gloo runs both ways of a link in
+turn rather than at once: on the emulated cluster (2 hosts, 10 Mbit/s, 1 MiB per
+micro-batch, 4 micro-batches, 10 ms compute) GPipe and 1F1B took 7.2-7.3 s a step,
+where overlapped ways would take about 5 s; this simulation gives 7.1 s. A send completes
+``buffered_s`` before its last byte is on the wire (the socket buffer holds the tail).
+
+    times = simulate("1f1b", microbatches=4,
+                     stages=[StageTimes(0.1, 0.2), StageTimes(0.1, 0.2)],
+                     forward=[Message(0.87, 0.001, 0.5)], backward=[Message(0.87, 0.001, 0.5)])
+    times.step_s, times.stage_end_s, times.bubble_s, times.peak_in_flight
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+#: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
+SIMULATED_SCHEDULES = ("gpipe", "1f1b")
+
+_FWD, _BWD = "fwd", "bwd"
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of one micro-batch's forward and backward pass on one stage (its
+    tensor-parallel collectives included; the last stage's loss in its forward)."""
+
+    forward_s: float
+    backward_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"a stage's {name} must be >= 0 seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One micro-batch's message across one stage boundary: ``serialise_s`` on the link
+    (its bytes over the bandwidth it gets), then ``latency_s`` to arrive."""
+
+    serialise_s: float
+    latency_s: float = 0.0
+    buffered_s: float = 0.0
+    """The tail of the message the sender's socket buffer takes: the send completes this
+    long before the last byte is on the wire (the buffer's bytes over the bandwidth)."""
+
+    def __post_init__(self) -> None:
+        if not (self.serialise_s >= 0 and self.latency_s >= 0 and self.buffered_s >= 0):
+            raise ValueError(f"a message's times must be >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class PipelineTimes:
+    """The simulated step: when each stage finishes its last action, and its compute."""
+
+    stage_end_s: tuple[float, ...]
+    stage_busy_s: tuple[float, ...]
+    peak_in_flight: tuple[int, ...] = ()
+    """Per stage, the most micro-batches whose forward ran and backward did not yet: the
+    activations it holds at once (GPipe: all of them; 1F1B: ``min(m, stages - stage)``)."""
+
+    @property
+    def step_s(self) -> float:
+        """The pipeline's makespan: the last stage to finish."""
+        return max(self.stage_end_s)
+
+    @property
+    def bubble_s(self) -> float:
+        """Time the busiest stage spends waiting (for data, or for the link)."""
+        busiest = max(range(len(self.stage_busy_s)), key=self.stage_busy_s.__getitem__)
+        return self.stage_end_s[busiest] - self.stage_busy_s[busiest]
+
+
+# a program's instructions: ("compute", seconds) | ("post", key, role) | ("wait", keys)
+_Key = tuple[str, int, int]  # (direction, boundary, micro-batch)
+
+
+def _gpipe(stage: int, stages: int, m: int) -> Iterator[tuple]:
+    first, last = stage == 0, stage == stages - 1
+    sends: list[_Key] = []
+    for i in range(m):
+        if not first:
+            yield ("post", (_FWD, stage - 1, i), "recv")
+            yield ("wait", [(_FWD, stage - 1, i)])
+        yield ("compute", "F")
+        if not last:
+            yield ("post", (_FWD, stage, i), "send")
+            sends.append((_FWD, stage, i))
+    yield ("wait", sends)
+    sends = []
+    for i in range(m):
+        if not last:
+            yield ("post", (_BWD, stage, i), "recv")
+            yield ("wait", [(_BWD, stage, i)])
+        yield ("compute", "B")
+        if not first:
+            yield ("post", (_BWD, stage - 1, i), "send")
+            sends.append((_BWD, stage - 1, i))
+    yield ("wait", sends)
+
+
+def _one_f_one_b(stage: int, stages: int, m: int) -> Iterator[tuple]:
+    first, last = stage == 0, stage == stages - 1
+    warmup = min(m, stages - stage)
+    fwd = bwd = 0
+    send_work: list[_Key] = []
+    fwd_sends: list[_Key] = []
+    for _ in range(warmup):
+        if not first:
+            yield ("post", (_FWD, stage - 1, fwd), "recv")
+            yield ("wait", [(_FWD, stage - 1, fwd)])
+        yield ("compute", "F")
+        yield ("wait", send_work)
+        fwd_sends = [] if last else [(_FWD, stage, fwd)]
+        if fwd != warmup - 1:
+            for key in fwd_sends:
+                yield ("post", key, "send")
+            send_work, fwd_sends = fwd_sends, []
+        fwd += 1
+    while True:
+        bwd_recvs = [] if last else [(_BWD, stage, bwd)]
+        for key in fwd_sends:
+            yield ("post", key, "send")
+        for key in bwd_recvs:
+            yield ("post", key, "recv")
+        yield ("wait", fwd_sends + bwd_recvs)
+        yield ("compute", "B")
+        bwd_sends = [] if first else [(_BWD, stage - 1, bwd)]
+        bwd += 1
+        if fwd == m:
+            break
+        fwd_recvs = [] if first else [(_FWD, stage - 1, fwd)]
+        for key in bwd_sends:
+            yield ("post", key, "send")
+        for key in fwd_recvs:
+            yield ("post", key, "recv")
+        yield ("wait", bwd_sends + fwd_recvs)
+        yield ("compute", "F")
+        fwd_sends = [] if last else [(_FWD, stage, fwd)]
+        fwd += 1
+    for key in bwd_sends:
+        yield ("post", key, "send")
+    send_work = bwd_sends
+    while bwd < m:
+        recvs = [] if last else [(_BWD, stage, bwd)]
+        for key in recvs:
+            yield ("post", key, "recv")
+        yield ("wait", recvs)
+        yield ("compute", "B")
+        yield ("wait", send_work)
+        send_work = [] if first else [(_BWD, stage - 1, bwd)]
+        for key in send_work:
+            yield ("post", key, "send")
+        bwd += 1
+    yield ("wait", send_work)
+
+
+_PROGRAMS = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
+
+
+def _ends(key: _Key) -> tuple[int, int]:
+    """The (sender, receiver) stages of message ``key``."""
+    way, boundary, _ = key
+    return (boundary, boundary + 1) if way == _FWD else (boundary + 1, boundary)
+
+
+class _Wire:
+    """The byte streams between neighbouring stages, one per way, first in first out.
+
+    gloo sends a message only once its receiver has posted the receive: the receiver
+    sends a small "ready" note, on the same stream as its own data the other way. The
+    note queues behind whatever that stream already carries, and the data enters its
+    stream when both the send is posted and the note has arrived. Each stream carries one
+    thing at a time, in the order things entered it."""
+
+    def __init__(self, forward: Sequence[Message], backward: Sequence[Message]) -> None:
+        self.messages = {_FWD: forward, _BWD: backward}
+        self.free_at: dict[tuple[int, int], float] = {}
+        self.send_posted: dict[_Key, float] = {}
+        self.ready: set[_Key] = set()
+        self.sent: dict[_Key, float] = {}
+        self.arrived: dict[_Key, float] = {}
+
+    def _enter(self, stream: tuple[int, int], now: float, serialise_s: float) -> float:
+        start = max(now, self.free_at.get(stream, 0.0))
+        self.free_at[stream] = start + serialise_s
+        return start + serialise_s
+
+    def post_recv(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+        """The receiver posts ``key``'s receive: its ready note leaves for the sender."""
+        sender, receiver = _ends(key)
+        message = self.messages[key[0]][key[1]]
+        left = self._enter((receiver, sender), now, 0.0)
+        return [(left + message.latency_s, key, "ready")]
+
+    def post_send(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+        """The sender posts ``key``'s send; it goes out now if the ready note is in."""
+        self.send_posted[key] = now
+        return self._transmit(key, now) if key in self.ready else []
+
+    def note_arrived(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+        """``key``'s ready note reached the sender; the data goes out if it is posted."""
+        self.ready.add(key)
+        return self._transmit(key, now) if key in self.send_posted else []
+
+    def _transmit(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+        message = self.messages[key[0]][key[1]]
+        left = self._enter(_ends(key), now, message.serialise_s)
+        sent = max(now, left - message.buffered_s)
+        return [(sent, key, "sent"), (left + message.latency_s, key, "arrived")]
+
+    def done(self, key: _Key, stage: int) -> float | None:
+        """When ``stage``'s side of ``key`` completed (sent, or arrived), if it has."""
+        side = self.sent if _ends(key)[0] == stage else self.arrived
+        return side.get(key)
+
+
+def simulate(
+    schedule: str,
+    microbatches: int,
+    stages: Sequence[StageTimes],
+    forward: Sequence[Message] = (),
+    backward: Sequence[Message] = (),
+) -> PipelineTimes:
+    """One step of ``schedule`` over ``len(stages)`` pipeline ranks and ``microbatches``
+    micro-batches; ``forward[b]`` and ``backward[b]`` are the messages across boundary
+    ``b`` (between stages ``b`` and ``b + 1``)."""
+    if schedule not in _PROGRAMS:
+        raise ValueError(
+            f"the planner simulates the schedules {', '.join(SIMULATED_SCHEDULES)}, not "
+            f"{schedule!r}: plan with one of those"
+        )
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"micro-batches must be an integer >= 1, got {microbatches!r}")
+    count = len(stages)
+    if count < 1:
+        raise ValueError("a pipeline needs at least one stage")
+    if len(forward) != count - 1 or len(backward) != count - 1:
+        raise ValueError(
+            f"{count} stages have {count - 1} boundaries: got {len(forward)} forward and "
+            f"{len(backward)} backward messages"
+        )
+    return _EventLoop(schedule, microbatches, stages, _Wire(forward, backward)).run()
+
+
+class _EventLoop:
+    """Runs every stage's program against the wire, in the order things happen."""
+
+    def __init__(
+        self, schedule: str, microbatches: int, stages: Sequence[StageTimes], wire: _Wire
+    ) -> None:
+        self.schedule = schedule
+        self.stages = stages
+        self.wire = wire
+        self.programs = [
+            _PROGRAMS[schedule](s, len(stages), microbatches) for s in range(len(stages))
+        ]
+        self.clock = [0.0] * len(stages)
+        self.busy = [0.0] * len(stages)
+        self.in_flight = [0] * len(stages)
+        self.peak = [0] * len(stages)
+        self.waiting: dict[int, list[_Key]] = {}
+        self.finished: set[int] = set()
+        self.events: list[tuple[float, int, str, object]] = []
+        self.counter = itertools.count()
+
+    def _push(self, when: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (when, next(self.counter), kind, payload))
+
+    def run(self) -> PipelineTimes:
+        for stage in range(len(self.stages)):
+            self._push(0.0, "run", stage)
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "run":
+                self._advance(payload, now)  # type: ignore[arg-type]
+                continue
+            key: _Key = payload  # type: ignore[assignment]
+            if kind == "ready":
+                for when, k, what in self.wire.note_arrived(key, now):
+                    self._push(when, what, k)
+                continue
+            (self.wire.sent if kind == "sent" else self.wire.arrived)[key] = now
+            for stage in _ends(key):
+                if stage in self.waiting and self._settled(stage) is not None:
+                    del self.waiting[stage]
+                    self._push(now, "run", stage)
+        if len(self.finished) != len(self.stages):
+            stuck = {s: keys for s, keys in self.waiting.items()}
+            raise RuntimeError(f"the simulated {self.schedule} schedule deadlocked: {stuck}")
+        return PipelineTimes(tuple(self.clock), tuple(self.busy), tuple(self.peak))
+
+    def _settled(self, stage: int) -> float | None:
+        ends = [self.wire.done(key, stage) for key in self.waiting[stage]]
+        return None if any(end is None for end in ends) else max(ends, default=0.0)  # type: ignore[type-var]
+
+    def _advance(self, stage: int, now: float) -> None:
+        self.clock[stage] = max(self.clock[stage], now)
+        for op in self.programs[stage]:
+            if op[0] == "compute":
+                times = self.stages[stage]
+                seconds = times.forward_s if op[1] == "F" else times.backward_s
+                self.busy[stage] += seconds
+                self.in_flight[stage] += 1 if op[1] == "F" else -1
+                self.peak[stage] = max(self.peak[stage], self.in_flight[stage])
+                self._push(self.clock[stage] + seconds, "run", stage)
+                return
+            if op[0] == "post":
+                key, role = op[1], op[2]
+                post = self.wire.post_recv if role == "recv" else self.wire.post_send
+                for when, k, what in post(key, self.clock[stage]):
+                    self._push(when, what, k)
+                continue
+            self.waiting[stage] = list(op[1])
+            if self._settled(stage) is None:
+                return
+            del self.waiting[stage]
+        self.finished.add(stage)

@@ -1,0 +1,93 @@
+"""The pipeline schedule simulation: pure arithmetic, one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from thinwire.plan.schedule_sim import Message, StageTimes, simulate
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _free(stages: int) -> list[Message]:
+    return [Message(0.0, 0.0)] * (stages - 1)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 3), (2, 4), (4, 8), (3, 5)])
+def test_without_communication_the_step_is_the_textbook_pipeline(schedule, stages, microbatches):
+    forward, backward = 1.0, 2.0
+    times = simulate(
+        schedule,
+        microbatches,
+        [StageTimes(forward, backward)] * stages,
+        _free(stages),
+        _free(stages),
+    )
+    assert times.step_s == pytest.approx((microbatches + stages - 1) * (forward + backward))
+    assert times.stage_busy_s == pytest.approx([microbatches * (forward + backward)] * stages)
+    assert times.bubble_s == pytest.approx((stages - 1) * (forward + backward))
+
+
+def test_the_slowest_stage_sets_the_pace():
+    stages = [StageTimes(1.0, 2.0), StageTimes(3.0, 6.0)]
+    times = simulate("1f1b", 8, stages, _free(2), _free(2))
+    # the slow stage works all the time once its first micro-batch arrives
+    assert times.step_s == pytest.approx(1.0 + 8 * 9.0 + 2.0)
+
+
+def test_activations_in_flight_follow_the_schedule():
+    stages = [StageTimes(1.0, 2.0)] * 4
+    assert simulate("gpipe", 8, stages, _free(4), _free(4)).peak_in_flight == (8, 8, 8, 8)
+    assert simulate("1f1b", 8, stages, _free(4), _free(4)).peak_in_flight == (4, 3, 2, 1)
+    assert simulate("1f1b", 2, stages[:2], _free(2), _free(2)).peak_in_flight == (2, 1)
+
+
+def test_gpipe_on_a_slow_link_sends_one_message_at_a_time():
+    # no compute: forward messages follow one another, then the gradients
+    transfer = 1.0
+    link = [Message(transfer, 0.0)]
+    times = simulate("gpipe", 4, [StageTimes(0.0, 0.0)] * 2, link, link)
+    assert times.step_s == pytest.approx(2 * 4 * transfer)
+
+
+def test_ready_notes_queue_behind_data_so_1f1b_does_not_overlap_the_two_ways():
+    # measured on the emulated cluster (10 Mbit/s, 1 MiB per micro-batch): 7.2 s a step;
+    # ways overlapping would take about 5.1 s, the ready notes behind data make it 7.1 s
+    link = [Message(0.87, 0.001, 0.5)]
+    stages = [StageTimes(0.01, 0.01)] * 2
+    times = simulate("1f1b", 4, stages, link, link)
+    assert 2 * 4 * 0.87 <= times.step_s <= 2 * 4 * 0.87 + 0.2
+
+
+def test_latency_delays_every_hop():
+    stages = [StageTimes(0.0, 0.0)] * 3
+    link = [Message(0.0, 0.5)] * 2
+    times = simulate("gpipe", 1, stages, link, link)
+    # the first send waits for its ready note (one latency), then the data goes forward
+    # two hops and back two hops; every later ready note was sent in time
+    assert times.step_s == pytest.approx(5 * 0.5)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("interleaved-1f1b", 4, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "simulates"),
+        (("1f1b", 0, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "micro-batches"),
+        (("1f1b", 2.0, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "micro-batches"),
+        (("1f1b", 2, [], [], []), "at least one stage"),
+        (("1f1b", 2, [StageTimes(1, 1)] * 3, _free(2), _free(3)), "boundaries"),
+    ],
+)
+def test_bad_input_is_refused_with_a_reason(args, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(*args)
+
+
+def test_negative_times_are_refused():
+    with pytest.raises(ValueError, match="forward_s"):
+        StageTimes(-1.0, 1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        Message(1.0, -0.1)
+    with pytest.raises(ValueError, match=">= 0"):
+        Message(1.0, 0.0, -1.0)
