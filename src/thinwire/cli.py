@@ -94,6 +94,12 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _probe(args: argparse.Namespace) -> int:
+    from thinwire.plan.probe_command import run_from_args
+
+    return run_from_args(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from thinwire.bench.command import run_from_args
 
@@ -168,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_ddp_arguments(plan)
     plan.add_argument("--json", default="", help="also write the plan to this JSON file")
     plan.set_defaults(run=_plan)
+    from thinwire.plan.probe_command import add_arguments as add_probe_arguments
+
+    probe = sub.add_parser(
+        "probe", help="measure the cluster's links on every rank (torchrun, cluster run)"
+    )
+    add_probe_arguments(probe)
+    probe.set_defaults(run=_probe)
     from thinwire.bench.command import add_arguments as add_bench_arguments
 
     bench = sub.add_parser("bench", help="one task under several methods on an emulated cluster")

@@ -38,7 +38,13 @@ def microbatch_size(config: Any, plan: ParallelPlan) -> int:
 
 def profile(config: Any, plan: ParallelPlan) -> list[StageProfile]:
     """Every stage of ``plan`` on the task's model, one micro-batch each."""
-    return profile_plan(config.task, config.task_options, plan, microbatch_size(config, plan))
+    return profile_plan(
+        config.task,
+        config.task_options,
+        plan,
+        microbatch_size(config, plan),
+        optimizer=config.optimizer,
+    )
 
 
 def time_plan(

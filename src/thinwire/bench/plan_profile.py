@@ -80,6 +80,10 @@ class StageProfile:
     dp_sent_bytes: float = 0.0
     """What one rank of this stage sends per step in its data-parallel exchange, as the
     planner's cost model counts it (:func:`thinwire.plan.profile_method.measure_method`)."""
+    dp_cost: Any = None
+    """That exchange's :class:`thinwire.plan.cost.MethodCost` (``None`` under ``dp=1``)."""
+    optimizer_s: float = 0.0
+    """One optimizer step over this rank's shard (median), alone on a core."""
 
     @property
     def tp_allreduce_bytes(self) -> list[int]:
@@ -138,8 +142,9 @@ def _median_pass(passes: list[Pass]) -> Pass:
 
 
 def _profile_in_fake_world(
-    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int
-) -> list[StageProfile]:
+    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
+    optimizer: str = "adamw",
+) -> list[StageProfile]:  # fmt: skip
     """In a fresh process on the fake process group: every stage of ``plan``, one after
     another, each timed on one micro-batch."""
     import torch.distributed as dist
@@ -171,7 +176,7 @@ def _profile_in_fake_world(
             )
             if plan.tp > 1:
                 apply_tensor_parallel(stage, mesh["tp"])
-            profiles.append(_profile_stage(index, stage, loss, batch, plan, repeats))
+            profiles.append(_profile_stage(index, stage, loss, batch, plan, repeats, optimizer))
         return profiles
     finally:
         dist.destroy_process_group()
@@ -179,7 +184,7 @@ def _profile_in_fake_world(
 
 def _profile_stage(
     index: int, stage: Any, loss: Any, batch: tuple[torch.Tensor, torch.Tensor], plan: Any,
-    repeats: int,
+    repeats: int, optimizer: str = "adamw",
 ) -> StageProfile:  # fmt: skip
     tokens, targets = batch
     forwards, backwards, output, loss_log = [], [], None, _CollectiveLog()
@@ -205,6 +210,7 @@ def _profile_stage(
         stage.zero_grad(set_to_none=True)
     assert output is not None
     shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
+    dp_cost = _dp_cost(plan, shapes)
     return StageProfile(
         index,
         _median_pass(forwards[1:]),
@@ -213,20 +219,41 @@ def _profile_stage(
         str(output.dtype),
         shapes,
         loss_collectives=loss_log.finish().collectives,
-        dp_sent_bytes=_dp_sent_bytes(plan, shapes),
+        dp_sent_bytes=0.0 if dp_cost is None else dp_cost.sent_bytes(plan.dp),
+        dp_cost=dp_cost,
+        optimizer_s=_optimizer_s(optimizer, shapes, repeats),
     )
 
 
-def _dp_sent_bytes(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> float:
+def _dp_cost(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
     from thinwire.plan.profile_method import measure_method
 
     if plan.dp == 1:
-        return 0.0
+        return None
     params = [(f"p{i}", torch.randn(shape)) for i, shape in enumerate(shapes)]
-    cost = measure_method(
+    return measure_method(
         plan.dp_method, params, world_size=plan.dp, options=plan.dp_options, repeats=1
     )
-    return cost.sent_bytes(plan.dp)
+
+
+#: the optimizers the profiler times, by the names ``thinwire bench --optimizer`` takes
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def _optimizer_s(optimizer: str, shapes: tuple[tuple[int, ...], ...], repeats: int) -> float:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"the profiler times {', '.join(OPTIMIZERS)}, not {optimizer!r}")
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    options = {"momentum": 0.9} if optimizer == "sgd" else {}
+    step = OPTIMIZERS[optimizer](params, lr=1e-3, **options)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        step.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -251,11 +278,13 @@ def profile_plan(
     plan: Any,
     microbatch: int,
     repeats: int = 3,
+    optimizer: str = "adamw",
 ) -> list[StageProfile]:
     """Every stage of ``plan``, profiled one after another in a fresh process on the fake
-    process group (so that each has this machine's core to itself)."""
+    process group (so that each has this machine's core to itself); ``optimizer``
+    (``"adamw"`` or ``"sgd"``) is timed over each stage's shard."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(
-            _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats
+            _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
         ).result()

@@ -1,0 +1,259 @@
+"""The step time of a hybrid plan on measured links: pure functions over numbers.
+
+Inputs: per pipeline stage what one of its ranks computes per micro-batch and which
+collectives it issues (:class:`StageCost`, from the stage profiler), the plan's degrees
+and schedule, and the links ``thinwire probe`` measured (:class:`thinwire.plan.probe.
+LinkProbe`). Nothing is fitted to the step times it predicts. A step, as
+:class:`thinwire.parallel.trainer.ParallelTrainer` runs it:
+
+1. **The pipeline** (:mod:`thinwire.plan.schedule_sim`): every micro-batch's forward and
+   backward on every stage, each with its tensor-parallel all-reduces on the link the
+   ``"tp"`` group spans (the probe's all-reduce fit for that group size), and the
+   activations and their gradients between stages as gloo sends them (the probe's
+   point-to-point fit, its bandwidth shared by the ranks of a host that cross at once).
+2. **The data-parallel exchange**, per stage once its pipeline work is done: the
+   strategy's buckets (:class:`thinwire.plan.cost.MethodCost`, measured through the real
+   engine) on the link the ``"dp"`` group spans, shared by the groups of a host that cross
+   at once; after ``backward()`` (the optimizer wrapper), so nothing overlaps it. Its
+   compression is CPU work, slowed by the probe's CPU sharing.
+3. **The optimizer step** (measured alone, slowed the same way) and the loss's all-reduce.
+
+The step is the last stage to finish. :class:`PlanPrediction` breaks it down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from thinwire.plan.cost import MethodCost
+from thinwire.plan.network import GLOO_STEP_DELAYS, Link
+from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
+from thinwire.plan.schedule_sim import Message, StageTimes, simulate
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one rank of a stage does per step, as profiled (one micro-batch, one chunk)."""
+
+    forward_s: float
+    """Compute of one micro-batch's forward pass (the collectives' time excluded)."""
+    backward_s: float
+    forward_allreduces: tuple[int, ...] = ()
+    """Bytes of each tensor-parallel all-reduce in the forward pass."""
+    backward_allreduces: tuple[int, ...] = ()
+    activation_bytes: int = 0
+    """What it sends the next stage per micro-batch (the gradient back is the same)."""
+    dp_cost: MethodCost | None = None
+    """Its data-parallel exchange per step (``None``: ``dp = 1``)."""
+    optimizer_s: float = 0.0
+    """The optimizer step over its shard, alone on a core."""
+
+
+@dataclass(frozen=True)
+class PlanPrediction:
+    """A plan's predicted step, and where its time goes (the critical stage's view)."""
+
+    step_s: float
+    pipeline_s: float
+    """The schedule's makespan: forward and backward of every micro-batch."""
+    compute_s: float
+    """The busiest stage's compute in the pipeline (tensor-parallel all-reduces excluded)."""
+    tensor_s: float
+    """The busiest stage's tensor-parallel all-reduces."""
+    bubble_s: float
+    """The pipeline's idle and point-to-point waiting, on the busiest stage."""
+    data_parallel_s: float
+    """The slowest stage's exchange (and compression) after the pipeline."""
+    optimizer_s: float
+    stage_end_s: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, float | list[float]]:
+        """JSON-ready figures."""
+        return {
+            "step_s": self.step_s,
+            "pipeline_s": self.pipeline_s,
+            "compute_s": self.compute_s,
+            "tensor_s": self.tensor_s,
+            "bubble_s": self.bubble_s,
+            "data_parallel_s": self.data_parallel_s,
+            "optimizer_s": self.optimizer_s,
+            "stage_end_s": list(self.stage_end_s),
+        }
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """A plan's shape: degrees, micro-batches, schedule (a :class:`thinwire.ParallelPlan`
+    has all of these)."""
+
+    dp: int
+    pp: int
+    tp: int
+    microbatches: int = 1
+    schedule: str = "1f1b"
+
+
+def rank_at(pp: int, dp: int, tp: int, degrees: Degrees) -> int:
+    """The global rank at mesh coordinates ``(pp, dp, tp)`` (tensor parallel innermost)."""
+    return (pp * degrees.dp + dp) * degrees.tp + tp
+
+
+def fitted_link(fit: Fit) -> Link:
+    """A :class:`Link` whose ring collectives cost what ``fit`` measured."""
+    return Link(
+        bandwidth_bps=fit.bandwidth_bps,
+        latency_s=fit.alpha_s / GLOO_STEP_DELAYS,
+        header_bytes=0,
+        store_and_forward=False,
+    )
+
+
+def _between(low: float, high: float, at: int, top: int) -> float:
+    return low if top <= 1 else low + (high - low) * (min(at, top) - 1) / (top - 1)
+
+
+def shared_fit(fits: dict[int, Fit], count: int) -> Fit:
+    """The all-reduce fit with ``count`` groups at once, between the probe's (one, all)."""
+    if count in fits:
+        return fits[count]
+    low, top = fits[min(fits)], max(fits)
+    high = fits[top]
+    return Fit(
+        _between(low.alpha_s, high.alpha_s, count, top),
+        _between(low.beta_s, high.beta_s, count, top),
+    )
+
+
+def shared_p2p(probe: LinkProbe, pairs: int) -> PointToPoint:
+    """Point-to-point between hosts with ``pairs`` pairs crossing at once."""
+    fits = {p.pairs: p for p in probe.point_to_point}
+    if not fits:
+        raise ValueError("the probe ran on one host: it has no link between hosts")
+    if pairs in fits:
+        return fits[pairs]
+    low, top = fits[min(fits)], max(fits)
+    high = fits[top]
+    return PointToPoint(
+        _between(low.latency_s, high.latency_s, pairs, top),
+        _between(low.beta_s, high.beta_s, pairs, top),
+        _between(low.buffer_bytes, high.buffer_bytes, pairs, top),
+        pairs,
+    )
+
+
+class PlanOnLinks:
+    """Where a plan's groups run on the probed cluster, and what their traffic costs."""
+
+    def __init__(self, degrees: Degrees, probe: LinkProbe) -> None:
+        world = degrees.dp * degrees.pp * degrees.tp
+        if world != probe.hosts * probe.ranks_per_host:
+            raise ValueError(
+                f"the plan needs {world} ranks; the probe measured {probe.hosts} host(s) x "
+                f"{probe.ranks_per_host}: plan for the cluster the probe ran on"
+            )
+        self.degrees, self.probe = degrees, probe
+
+    def host(self, rank: int) -> int:
+        """The host of ``rank`` (torchrun's numbering)."""
+        return rank // self.probe.ranks_per_host
+
+    def tp_allreduce_s(self, nbytes: int) -> float:
+        """One tensor-parallel all-reduce of ``nbytes`` (the group inside a host when it
+        fits there: every host's groups run at once)."""
+        tp = self.degrees.tp
+        if tp == 1 or nbytes == 0:
+            return 0.0
+        group = [rank_at(0, 0, t, self.degrees) for t in range(tp)]
+        if len({self.host(r) for r in group}) == 1 and tp in self.probe.intra_allreduce:
+            fit = self.probe.intra_allreduce[tp]
+        else:
+            fit = shared_fit(self.probe.inter_allreduce, self.probe.ranks_per_host)
+        return 2 * (tp - 1) * fit.alpha_s + 2 * (tp - 1) / tp * nbytes * fit.beta_s
+
+    def message(self, boundary: int, nbytes: int) -> Message:
+        """One micro-batch's message across ``boundary`` (stage ``b`` to ``b + 1``)."""
+        d = self.degrees
+        pairs = [
+            (rank_at(boundary, i, t, d), rank_at(boundary + 1, i, t, d))
+            for i in range(d.dp)
+            for t in range(d.tp)
+        ]
+        crossing = [a for a, b in pairs if self.host(a) != self.host(b)]
+        if not crossing:
+            fit = self.probe.intra_allreduce.get(2) or next(
+                iter(self.probe.intra_allreduce.values())
+            )
+            return Message(nbytes * fit.beta_s, fit.alpha_s, float(nbytes))
+        per_host = max(sum(self.host(a) == h for a in crossing) for h in range(self.probe.hosts))
+        link = shared_p2p(self.probe, per_host)
+        return Message(
+            nbytes * link.beta_s, link.latency_s, min(nbytes, link.buffer_bytes) * link.beta_s
+        )
+
+    def dp_link(self, stage: int) -> tuple[Link, int]:
+        """The link one data-parallel group of ``stage`` runs on, and the group's size."""
+        d = self.degrees
+        groups = [[rank_at(stage, i, t, d) for i in range(d.dp)] for t in range(d.tp)]
+        spanning = [g for g in groups if len({self.host(r) for r in g}) > 1]
+        if not spanning:
+            fit = self.probe.intra_allreduce.get(d.dp) or shared_fit(
+                self.probe.intra_allreduce, self.probe.ranks_per_host
+            )
+            return fitted_link(fit), d.dp
+        # every stage's groups exchange at about the same time, after the pipeline
+        all_spanning = [
+            [rank_at(s, i, t, d) for i in range(d.dp)]
+            for s in range(d.pp)
+            for t in range(d.tp)
+            if len({self.host(rank_at(s, i, t, d)) for i in range(d.dp)}) > 1
+        ]
+        per_host = max(
+            sum(any(self.host(r) == h for r in g) for g in all_spanning)
+            for h in range(self.probe.hosts)
+        )
+        return fitted_link(shared_fit(self.probe.inter_allreduce, per_host)), d.dp
+
+
+def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe) -> PlanPrediction:
+    """One step of a plan whose pipeline stages cost ``stages`` on the probed cluster."""
+    if len(stages) != degrees.pp:
+        raise ValueError(f"pp={degrees.pp} needs a cost per stage, got {len(stages)}")
+    links = PlanOnLinks(degrees, probe)
+    tensor = [
+        sum(links.tp_allreduce_s(b) for b in (*s.forward_allreduces, *s.backward_allreduces))
+        for s in stages
+    ]
+    times = [
+        StageTimes(
+            s.forward_s + sum(links.tp_allreduce_s(b) for b in s.forward_allreduces),
+            s.backward_s + sum(links.tp_allreduce_s(b) for b in s.backward_allreduces),
+        )
+        for s in stages
+    ]
+    messages = [links.message(b, stages[b].activation_bytes) for b in range(degrees.pp - 1)]
+    pipeline = simulate(degrees.schedule, degrees.microbatches, times, messages, messages)
+    slowdown = max(1.0, probe.cpu_slowdown)
+    exchange, optimizer = [], []
+    for index, stage in enumerate(stages):
+        seconds = 0.0
+        if stage.dp_cost is not None and degrees.dp > 1:
+            link, size = links.dp_link(index)
+            seconds = stage.dp_cost.comm_time(size, link) + stage.dp_cost.compress_s * slowdown
+        exchange.append(seconds)
+        optimizer.append(stage.optimizer_s * slowdown)
+    ends = [pipeline.stage_end_s[i] + exchange[i] + optimizer[i] for i in range(degrees.pp)]
+    loss = 2 * shared_fit(probe.inter_allreduce or probe.intra_allreduce, 1).alpha_s
+    busiest = max(range(degrees.pp), key=lambda i: pipeline.stage_busy_s[i])
+    m = degrees.microbatches
+    compute = m * (stages[busiest].forward_s + stages[busiest].backward_s)
+    return PlanPrediction(
+        step_s=max(ends) + loss,
+        pipeline_s=pipeline.step_s,
+        compute_s=compute,
+        tensor_s=m * tensor[busiest],
+        bubble_s=pipeline.step_s - compute - m * tensor[busiest],
+        data_parallel_s=max(exchange),
+        optimizer_s=max(optimizer),
+        stage_end_s=tuple(ends),
+    )

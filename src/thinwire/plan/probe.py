@@ -1,0 +1,316 @@
+"""Links measured, not assumed: ``thinwire probe`` times each level of the topology.
+
+Run on every rank of the cluster the plan is for, before planning (``torchrun ... -m
+thinwire probe --out links.json``, or ``thinwire cluster run -- thinwire probe`` on the
+emulated cluster). Ranks ``h * ranks_per_host ...`` share host ``h``, as torchrun numbers
+them. What it measures, each the median of a few repeats over sizes that grow until a
+transfer takes long enough to time:
+
+* **between hosts, point to point** (the pipeline's messages): a message there and a
+  4-byte reply back, as torch's pipelining sends them over gloo. gloo sends only after the
+  receiver's "ready" note, so a round trip of ``S`` bytes takes ``3 L + S * beta``: the
+  line through the sizes gives the one-way latency ``L`` and ``beta`` (seconds per byte).
+  How much earlier the send completes than the round trip says how much of a message the
+  sender's socket buffer takes. Once with one pair, once with every rank of host 0 sending
+  to its counterpart on host 1 at once (how the host's link is shared).
+* **all-reduce within a host**, for every group size dividing ``ranks_per_host`` (all of
+  a host's groups at once, as tensor parallelism runs them), and **between hosts** (one
+  rank per host; alone, and all local ranks' groups at once): ``2 (n - 1)`` ring steps of
+  ``alpha`` and ``2 (n - 1) / n * S * beta``, fitted the same way.
+* **the CPU's sharing**: one optimizer-sized job on one rank alone, then on every rank at
+  once. On GPUs the optimizer runs on the accelerator; on a host whose ranks share cores
+  (the emulated cluster) its CPU work slows by this factor.
+
+:class:`LinkProbe` holds the fits (and the raw samples) and saves to JSON;
+:mod:`thinwire.plan.hybrid_cost` turns them into the planner's links.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: message sizes start here and grow fourfold until a transfer takes ``target_s``
+FIRST_BYTES = 64 * 1024
+LARGEST_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``seconds = steps * alpha_s + wire_bytes * beta_s`` fitted to samples."""
+
+    alpha_s: float
+    beta_s: float
+    samples: tuple[tuple[float, float], ...] = ()
+    """(bytes, median seconds) per size measured."""
+
+    @property
+    def bandwidth_bps(self) -> float:
+        """Bits per second the fit's ``beta`` stands for."""
+        return 8.0 / self.beta_s if self.beta_s > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class PointToPoint:
+    """Messages between two hosts: one-way ``latency_s``, ``beta_s`` per byte with
+    ``pairs`` pairs sending at once, and the socket buffer's share of a send."""
+
+    latency_s: float
+    beta_s: float
+    buffer_bytes: float
+    pairs: int
+    samples: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """What ``thinwire probe`` measured on a cluster (see the module docstring)."""
+
+    hosts: int
+    ranks_per_host: int
+    point_to_point: tuple[PointToPoint, ...]
+    """Between hosts: one pair alone, then every rank of a host at once (none: 1 host)."""
+    intra_allreduce: dict[int, Fit]
+    """Within a host, by group size (every host's groups running at once)."""
+    inter_allreduce: dict[int, Fit]
+    """Between hosts, one rank per host, by how many such groups ran at once."""
+    cpu_slowdown: float
+    """A CPU job on every rank at once, over the same job alone."""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the probe as JSON."""
+        path = Path(path)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LinkProbe:
+        """Read a probe ``save`` wrote; a file that is not one is refused with a reason."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(
+                hosts=int(raw["hosts"]),
+                ranks_per_host=int(raw["ranks_per_host"]),
+                point_to_point=tuple(_p2p(p) for p in raw["point_to_point"]),
+                intra_allreduce={int(k): _fit(v) for k, v in raw["intra_allreduce"].items()},
+                inter_allreduce={int(k): _fit(v) for k, v in raw["inter_allreduce"].items()},
+                cpu_slowdown=float(raw["cpu_slowdown"]),
+                notes=dict(raw.get("notes", {})),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"{path} is not a link probe ({error}): run 'thinwire probe --out {path}' on "
+                "every rank of the cluster first"
+            ) from error
+
+
+def _fit(raw: dict[str, Any]) -> Fit:
+    return Fit(float(raw["alpha_s"]), float(raw["beta_s"]), _pairs(raw.get("samples", ())))
+
+
+def _p2p(raw: dict[str, Any]) -> PointToPoint:
+    return PointToPoint(
+        float(raw["latency_s"]),
+        float(raw["beta_s"]),
+        float(raw["buffer_bytes"]),
+        int(raw["pairs"]),
+        _pairs(raw.get("samples", ())),
+    )
+
+
+def _pairs(raw: Sequence[Sequence[float]]) -> tuple[tuple[float, float], ...]:
+    return tuple((float(a), float(b)) for a, b in raw)
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``y = intercept + slope * x``, the intercept
+    kept >= 0 (a negative one is noise on a link with no measurable latency)."""
+    if len(points) < 2:
+        raise ValueError(f"a line needs two sizes measured, got {len(points)}")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    if intercept < 0:
+        slope, intercept = sum(ys) / sum(xs), 0.0
+    if slope <= 0:
+        raise ValueError(f"times did not grow with size ({points}): probe with larger sizes")
+    return intercept, slope
+
+
+def hosts_of(world: int, ranks_per_host: int) -> int:
+    """How many hosts ``world`` ranks fill, ``ranks_per_host`` each (refused unless whole)."""
+    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int):
+        raise ValueError(f"ranks per host must be an integer, got {ranks_per_host!r}")
+    if ranks_per_host < 1 or world % ranks_per_host:
+        raise ValueError(
+            f"{world} ranks cannot be hosts of {ranks_per_host}: pass --ranks-per-host "
+            "(torchrun's --nproc-per-node)"
+        )
+    return world // ranks_per_host
+
+
+def run_probe(ranks_per_host: int, target_s: float = 0.25, repeats: int = 3) -> LinkProbe:
+    """Measure every level on the initialised default process group (every rank calls
+    this); every rank returns the same probe."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hosts = hosts_of(world, ranks_per_host)
+    torch.set_num_threads(1)
+    p2p: list[PointToPoint] = []
+    if hosts > 1:
+        for pairs in sorted({1, ranks_per_host}):
+            p2p.append(_probe_p2p(rank, ranks_per_host, pairs, target_s, repeats))
+    intra = {}
+    for size in range(2, ranks_per_host + 1):
+        if ranks_per_host % size == 0:
+            groups = [
+                list(range(h * ranks_per_host + s, h * ranks_per_host + s + size))
+                for h in range(hosts)
+                for s in range(0, ranks_per_host, size)
+            ]
+            intra[size] = _probe_allreduce(groups, target_s, repeats)
+    inter: dict[int, Fit] = {}
+    if hosts > 1:
+        across = [[h * ranks_per_host + i for h in range(hosts)] for i in range(ranks_per_host)]
+        for count in sorted({1, ranks_per_host}):
+            inter[count] = _probe_allreduce(across, target_s, repeats, running=count)
+    return LinkProbe(
+        hosts=hosts,
+        ranks_per_host=ranks_per_host,
+        point_to_point=tuple(p2p),
+        intra_allreduce=intra,
+        inter_allreduce=inter,
+        cpu_slowdown=_probe_cpu(rank, repeats),
+        notes={"target_s": target_s, "repeats": repeats, "backend": dist.get_backend()},
+    )
+
+
+def _sizes(measure: Callable[[int], float], target_s: float) -> list[tuple[float, float]]:
+    """Measure growing sizes until one takes ``target_s`` (every rank gets the same list:
+    ``measure`` returns an agreed time)."""
+    samples, nbytes = [], FIRST_BYTES
+    while True:
+        seconds = measure(nbytes)
+        samples.append((float(nbytes), seconds))
+        if (seconds >= target_s and len(samples) >= 2) or nbytes * 4 > LARGEST_BYTES:
+            return samples
+        nbytes *= 4
+
+
+def _agreed(value: float) -> float:
+    """The largest of every rank's ``value`` (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def _probe_p2p(
+    rank: int, ranks_per_host: int, pairs: int, target_s: float, repeats: int
+) -> PointToPoint:
+    import torch
+    import torch.distributed as dist
+
+    local = rank % ranks_per_host
+    sender = rank < ranks_per_host and local < pairs
+    receiver = ranks_per_host <= rank < 2 * ranks_per_host and local < pairs
+    peer = rank + ranks_per_host if sender else rank - ranks_per_host
+    early: dict[int, float] = {}
+
+    def measure(nbytes: int) -> float:
+        data, reply = torch.zeros(nbytes // 4), torch.zeros(1)
+        trips, gaps = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            if sender:
+                start = time.perf_counter()
+                send = dist.isend(data, peer)
+                back = dist.irecv(reply, peer)
+                send.wait()
+                sent = time.perf_counter() - start
+                back.wait()
+                trips.append(time.perf_counter() - start)
+                gaps.append(trips[-1] - sent)
+            elif receiver:
+                dist.recv(data, peer)
+                dist.send(reply, peer)
+        early[nbytes] = _agreed(statistics.median(gaps) if gaps else 0.0)
+        return _agreed(statistics.median(trips) if trips else 0.0)
+
+    samples = _sizes(measure, target_s)
+    intercept, beta = fit_line(samples)
+    latency = intercept / 3
+    largest = samples[-1][0]
+    buffered_s = max(0.0, early[int(largest)] - 2 * latency)
+    return PointToPoint(latency, beta, min(largest, buffered_s / beta), pairs, tuple(samples))
+
+
+def _probe_allreduce(
+    groups: list[list[int]], target_s: float, repeats: int, running: int | None = None
+) -> Fit:
+    """All-reduce fit on ``groups`` (the first ``running`` of them at once); every rank
+    creates every group, as ``new_group`` requires."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    handles = [dist.new_group(g) for g in groups]
+    active = groups if running is None else groups[:running]
+    mine = next(
+        (h for g, h in zip(groups, handles, strict=True) if rank in g and g in active), None
+    )
+    size = len(groups[0])
+
+    def measure(nbytes: int) -> float:
+        data = torch.zeros(nbytes // 4)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            if mine is not None:
+                dist.all_reduce(data, group=mine)
+            times.append(time.perf_counter() - start)
+        return _agreed(statistics.median(times))
+
+    samples = _sizes(measure, target_s)
+    steps = 2 * (size - 1)
+    alpha_total, beta = fit_line([(2 * (size - 1) / size * b, s) for b, s in samples])
+    for handle in handles:
+        dist.destroy_process_group(handle)
+    return Fit(alpha_total / steps, beta, tuple(samples))
+
+
+def _probe_cpu(rank: int, repeats: int) -> float:
+    """A 2 M-parameter AdamW step: on rank 0 alone, then on every rank at once."""
+    import torch
+    import torch.distributed as dist
+
+    weight = torch.nn.Parameter(torch.zeros(2 * 1024 * 1024))
+    weight.grad = torch.ones_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+
+    def job() -> float:
+        start = time.perf_counter()
+        for _ in range(5):
+            optimizer.step()
+        return time.perf_counter() - start
+
+    job()  # warm up
+    alone, together = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        if rank == 0:
+            alone.append(job())
+        dist.barrier()
+        together.append(job())
+    slowdown = statistics.median(together) / statistics.median(alone) if rank == 0 else 0.0
+    return _agreed(slowdown)

@@ -1,0 +1,125 @@
+"""The link probe (fits, files, a real run on loopback) and the hybrid plan's cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from thinwire.launch import run_local
+from thinwire.plan.cost import BucketCost, MethodCost
+from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, StageCost, fitted_link, predict_plan
+from thinwire.plan.network import Collective, collective_time
+from thinwire.plan.probe import Fit, LinkProbe, PointToPoint, fit_line, hosts_of, run_probe
+from thinwire.plan.schedule_sim import StageTimes, simulate
+
+
+def _probe(hosts: int = 2, per_host: int = 4) -> LinkProbe:
+    """A probe of a made-up cluster: 100 Mbit/s between hosts (halved per pair when all
+    cross at once), 8 Gbit/s within a host, CPU shared 2x."""
+    between = 8 / 100e6
+    return LinkProbe(
+        hosts=hosts,
+        ranks_per_host=per_host,
+        point_to_point=(
+            PointToPoint(1e-3, between, 500e3, 1),
+            PointToPoint(1e-3, between * per_host, 100e3, per_host),
+        ),
+        intra_allreduce={2: Fit(1e-4, 8 / 8e9), per_host: Fit(2e-4, 8 / 8e9)},
+        inter_allreduce={1: Fit(2e-3, between), per_host: Fit(2e-3, between * per_host)},
+        cpu_slowdown=2.0,
+    )
+
+
+def test_fit_line_recovers_latency_and_bandwidth():
+    points = [(s, 0.003 + s * 1e-8) for s in (1e5, 1e6, 1e7)]
+    intercept, slope = fit_line(points)
+    assert intercept == pytest.approx(0.003)
+    assert slope == pytest.approx(1e-8)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_line(points[:1])
+    with pytest.raises(ValueError, match="did not grow"):
+        fit_line([(1e5, 0.2), (1e6, 0.1)])
+
+
+def test_a_probe_saves_and_loads_and_a_bad_file_says_what_to_run(tmp_path):
+    probe = _probe()
+    assert LinkProbe.load(probe.save(tmp_path / "links.json")) == probe
+    (tmp_path / "bad.json").write_text('{"hosts": 2}')
+    with pytest.raises(ValueError, match="thinwire probe"):
+        LinkProbe.load(tmp_path / "bad.json")
+
+
+def _probe_on_loopback(rank: int, world: int) -> dict:
+    probe = run_probe(ranks_per_host=2, target_s=0.02, repeats=1)
+    return {
+        "pairs": [p.pairs for p in probe.point_to_point],
+        "intra": sorted(probe.intra_allreduce),
+        "inter": sorted(probe.inter_allreduce),
+        "betas": [p.beta_s for p in probe.point_to_point]
+        + [f.beta_s for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())],
+        "slowdown": probe.cpu_slowdown,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_the_probe_runs_on_every_rank_and_agrees():
+    results = run_local(_probe_on_loopback, 4, timeout=200)
+    assert all(r == results[0] for r in results)  # every rank returns the same probe
+    first = results[0]
+    assert first["pairs"] == [1, 2]  # one pair alone, then both ranks of host 0
+    assert first["intra"] == [2] and first["inter"] == [1, 2]
+    assert all(beta > 0 for beta in first["betas"])
+    assert first["slowdown"] > 0
+
+
+def test_the_probe_refuses_a_world_that_is_not_whole_hosts():
+    assert hosts_of(8, 4) == 2
+    with pytest.raises(ValueError, match="ranks-per-host"):
+        hosts_of(8, 3)
+    with pytest.raises(ValueError, match="ranks-per-host"):
+        hosts_of(8, 0)
+
+
+def test_data_parallel_alone_is_compute_then_exchange_then_optimizer():
+    probe = _probe()
+    cost = MethodCost(
+        "dense",
+        (BucketCost(1.0, 0.0, (Collective("allreduce", 40_000_000),)),),
+        dense_bytes=40_000_000,
+    )
+    stage = StageCost(0.5, 1.0, dp_cost=cost, optimizer_s=0.1)
+    predicted = predict_plan(Degrees(dp=8, pp=1, tp=1), [stage], probe)
+    # one ring of 8 over 2 hosts: one group crosses, alone
+    exchange = collective_time("allreduce", 40e6, 8, fitted_link(probe.inter_allreduce[1]))
+    loss = 2 * probe.inter_allreduce[1].alpha_s
+    assert predicted.step_s == pytest.approx(1.5 + exchange + 0.1 * 2.0 + loss)
+    assert predicted.data_parallel_s == pytest.approx(exchange)
+
+
+def test_tensor_parallel_groups_inside_a_host_use_the_host_link():
+    probe = _probe()
+    stage = StageCost(0.1, 0.2, forward_allreduces=(8_000_000,), backward_allreduces=(8_000_000,))
+    predicted = predict_plan(Degrees(dp=2, pp=1, tp=4), [stage], probe)
+    fit = probe.intra_allreduce[4]
+    one = 6 * fit.alpha_s + 1.5 * 8e6 * fit.beta_s
+    assert predicted.tensor_s == pytest.approx(2 * one)
+    assert predicted.pipeline_s == pytest.approx(0.3 + 2 * one)
+
+
+def test_pipeline_messages_cross_hosts_shared_by_the_stage_ranks():
+    probe = _probe()
+    links = PlanOnLinks(Degrees(dp=2, pp=2, tp=2, microbatches=4), probe)
+    # stage 0 is host 0 (4 ranks), stage 1 host 1: all four pairs cross at once
+    message = links.message(0, 1_000_000)
+    assert message.serialise_s == pytest.approx(1e6 * probe.point_to_point[1].beta_s)
+    stages = [StageCost(0.1, 0.2, activation_bytes=1_000_000)] * 2
+    predicted = predict_plan(Degrees(dp=2, pp=2, tp=2, microbatches=4), stages, probe)
+    times = simulate("1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message])
+    assert predicted.pipeline_s == pytest.approx(times.step_s)
+    assert predicted.bubble_s == pytest.approx(times.step_s - 4 * 0.3)
+
+
+def test_a_plan_for_another_cluster_is_refused():
+    with pytest.raises(ValueError, match="plan for the cluster the probe ran on"):
+        predict_plan(Degrees(dp=4, pp=1, tp=1), [StageCost(1.0, 1.0)], _probe())
+    with pytest.raises(ValueError, match="a cost per stage"):
+        predict_plan(Degrees(dp=4, pp=2, tp=1), [StageCost(1.0, 1.0)], _probe())
