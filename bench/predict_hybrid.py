@@ -37,8 +37,13 @@ def main() -> None:
         )
     print(
         f"median |error| {report['median_abs_error']:.1%}, max {report['max_abs_error']:.1%}, "
-        f"Spearman {report['spearman']:.3f}"
+        f"Spearman {report['spearman'] or float('nan'):.3f}"
     )
+    print(f"{'plan':36} saved activations per stage (error)  peak memory (error)")
+    for row in report["rows"]:
+        stages = row["memory"]["stages"]
+        saved = " ".join(f"{s['activations_error']:+.1%}" for s in stages)
+        print(f"{row['plan']:36} {saved:36} {row['memory']['peak_error']:+.1%}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -10,11 +10,13 @@ import socket
 import pytest
 
 from thinwire.bench.hybrid import HybridConfig
+from thinwire.bench.hybrid_predict import predict_sweep
 from thinwire.bench.plans import parse_plan
 from thinwire.bench.traffic import Traffic, parse_ss, sent_now
 from thinwire.cli import main
 from thinwire.cluster import check_can_emulate
 from thinwire.plan.plan_traffic import PlanSizes, coordinates, plan_traffic, rank_at
+from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -170,6 +172,27 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     # step: the first also infers shapes): the replayed collectives are the real ones
     sleeping = record["sent_between_hosts"] + record["sent_within_host"]
     assert sleeping == pytest.approx(record["real_forward_backward_sent"], rel=0.01)
+    # the planner's memory per rank, from the stage profiles and the simulated schedule,
+    # against what each rank held (the same link figures as the cluster's; memory does
+    # not depend on them)
+    (row,) = predict_sweep(out / "results.json", _nominal_probe(), tmp_path / "profiles")["rows"]
+    for stage in row["memory"]["stages"]:
+        assert abs(stage["activations_error"]) < 0.05, stage
+        assert abs(stage["total_error"]) < 0.15, stage
+    assert row["predicted_s"] > 0
+
+
+def _nominal_probe() -> LinkProbe:
+    between, within = 8 / 100e6, 8 / 10e9
+    return LinkProbe(
+        hosts=2, ranks_per_host=2,
+        point_to_point=(
+            PointToPoint(1e-3, between, 1e5, 1), PointToPoint(1e-3, 2 * between, 1e5, 2),
+        ),
+        intra_allreduce={2: Fit(1e-4, within)},
+        inter_allreduce={1: Fit(2e-3, between), 2: Fit(2e-3, 2 * between)},
+        cpu_slowdown=1.0,
+    )  # fmt: skip
 
 
 def _hybrid_table():

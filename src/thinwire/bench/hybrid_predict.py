@@ -45,9 +45,20 @@ def stage_costs(
                 activation_bytes=profile.activation_bytes,
                 dp_cost=profile.dp_cost,
                 optimizer_s=profile.optimizer_s,
+                parameter_bytes=sum(4 * _numel(shape) for shape in profile.parameter_shapes),
+                optimizer_state_bytes=profile.optimizer_state_bytes,
+                exchange_bytes=profile.exchange_bytes,
+                saved_bytes=profile.saved_bytes,
             )
         )
     return costs
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def profiles_for(config: dict[str, Any], spec: str, cache: Path) -> list[StageProfile]:
@@ -55,7 +66,8 @@ def profiles_for(config: dict[str, Any], spec: str, cache: Path) -> list[StagePr
     (one pickle per plan and task) so that several bandwidths share them."""
     plan = parse_plan(spec)
     options = config.get("task_options", {})
-    key = json.dumps([config["task"], options, spec, config.get("optimizer")], sort_keys=True)
+    fields = sorted(StageProfile.__dataclass_fields__)  # a profile of other fields is stale
+    key = json.dumps([config["task"], options, spec, config.get("optimizer"), fields])
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{abs(hash(key)) % 10**12:012d}.pkl"
     if path.exists():
@@ -90,6 +102,7 @@ def predict_sweep(results: Path, probe: LinkProbe, cache: Path) -> dict[str, Any
                 "measured_s": record["step_s"],
                 "predicted_s": predicted.step_s,
                 "error": predicted.step_s / record["step_s"] - 1,
+                "memory": _memory_against(predicted.memory, record, plan),
                 "breakdown": predicted.as_dict(),
             }
         )
@@ -100,7 +113,11 @@ def predict_sweep(results: Path, probe: LinkProbe, cache: Path) -> dict[str, Any
         "rows": rows,
         "median_abs_error": statistics.median(errors),
         "max_abs_error": max(errors),
-        "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+        "spearman": (
+            spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+            if len(rows) > 1
+            else None
+        ),
     }
 
 
@@ -123,3 +140,25 @@ def spearman(xs: list[float], ys: list[float]) -> float:
         return result
 
     return statistics.correlation(ranks(xs), ranks(ys))
+
+
+def _memory_against(predicted: tuple[dict[str, int], ...], record: dict, plan: Any) -> dict:
+    """Per stage, predicted and measured bytes (the stage's first rank), with the ratio of
+    the saved activations and of the total."""
+    per_stage = plan.dp * plan.tp
+    rows = []
+    for stage, held in enumerate(predicted):
+        measured = record["memory_per_rank"][stage * per_stage]
+        rows.append(
+            {
+                "stage": stage,
+                "predicted": held,
+                "measured": measured,
+                "activations_error": held["activations"] / measured["activations"] - 1,
+                "total_error": held["total"] / measured["total"] - 1,
+            }
+        )
+    return {
+        "stages": rows,
+        "peak_error": max(h["total"] for h in predicted) / record["peak_memory_bytes"] - 1,
+    }

@@ -57,12 +57,13 @@ def time_plan(
     trainer = parallelize(job.build_model(), plan, optimizer=optimizer_for(config, plan))
     inputs, targets = job.global_batch(0)
     saved = SavedActivations(exclude=[p for _, p in trainer.named_parameters()])
-    # the schedule's first step also infers shapes (an extra forward on some stages): the
-    # second real step is the one a sleeping step must match
-    with saved:
-        capture_gradients(trainer, inputs, targets)
+    # the schedule's first step also infers shapes (an extra forward on some stages, whose
+    # saved tensors the first stage holds through that step): the second real step is the
+    # one a sleeping step must match, and the steady state's memory
+    capture_gradients(trainer, inputs, targets)
     before = sent_now()
-    gradients = capture_gradients(trainer, inputs, targets)
+    with saved:
+        gradients = capture_gradients(trainer, inputs, targets)
     real = sent_now() - before
     sleep_stages(trainer, profiles, gradients)
     seconds, within, between = [], [], []

@@ -84,6 +84,13 @@ class StageProfile:
     """That exchange's :class:`thinwire.plan.cost.MethodCost` (``None`` under ``dp=1``)."""
     optimizer_s: float = 0.0
     """One optimizer step over this rank's shard (median), alone on a core."""
+    saved_bytes: int = 0
+    """What one micro-batch's forward saves for its backward (the loss's too, on the last
+    stage), measured with ``saved_tensors_hooks``."""
+    exchange_bytes: int = 0
+    """The data-parallel exchange's state on this rank (residuals, warm starts)."""
+    optimizer_state_bytes: int = 0
+    """The optimizer's state over this rank's shard after a step."""
 
     @property
     def tp_allreduce_bytes(self) -> list[int]:
@@ -211,6 +218,7 @@ def _profile_stage(
     assert output is not None
     shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
     dp_cost = _dp_cost(plan, shapes)
+    optimizer_s, optimizer_state = _optimizer_step(optimizer, shapes, repeats)
     return StageProfile(
         index,
         _median_pass(forwards[1:]),
@@ -221,8 +229,33 @@ def _profile_stage(
         loss_collectives=loss_log.finish().collectives,
         dp_sent_bytes=0.0 if dp_cost is None else dp_cost.sent_bytes(plan.dp),
         dp_cost=dp_cost,
-        optimizer_s=_optimizer_s(optimizer, shapes, repeats),
+        optimizer_s=optimizer_s,
+        optimizer_state_bytes=optimizer_state,
+        saved_bytes=_saved_bytes(stage, loss, x, targets),
+        exchange_bytes=_exchange_bytes(plan, shapes),
     )
+
+
+def _saved_bytes(stage: Any, loss: Any, x: torch.Tensor, targets: torch.Tensor) -> int:
+    """What one micro-batch's forward (and the loss, on the last stage) saves for backward."""
+    from thinwire.plan.activations import SavedActivations
+
+    with SavedActivations(exclude=list(stage.parameters())) as saved:
+        output = stage(x.detach().requires_grad_(x.is_floating_point()))
+        if stage.last:
+            output = loss(output, targets)
+        peak = saved.peak_bytes
+    del output
+    return peak
+
+
+def _exchange_bytes(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> int:
+    from thinwire.plan.memory import exchange_state_bytes
+
+    if plan.dp == 1:
+        return 0
+    params = [(f"p{i}", torch.zeros(shape)) for i, shape in enumerate(shapes)]
+    return exchange_state_bytes(plan.dp_method, params, world_size=plan.dp, options=plan.dp_options)
 
 
 def _dp_cost(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
@@ -240,7 +273,10 @@ def _dp_cost(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def _optimizer_s(optimizer: str, shapes: tuple[tuple[int, ...], ...], repeats: int) -> float:
+def _optimizer_step(
+    optimizer: str, shapes: tuple[tuple[int, ...], ...], repeats: int
+) -> tuple[float, int]:
+    """The optimizer step's median seconds over shards of ``shapes``, and its state's bytes."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"the profiler times {', '.join(OPTIMIZERS)}, not {optimizer!r}")
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
@@ -253,7 +289,13 @@ def _optimizer_s(optimizer: str, shapes: tuple[tuple[int, ...], ...], repeats: i
         start = time.perf_counter()
         step.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    state = sum(
+        v.numel() * v.element_size()
+        for per_param in step.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return statistics.median(times[1:]), state
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

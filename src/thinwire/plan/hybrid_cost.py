@@ -48,6 +48,24 @@ class StageCost:
     """Its data-parallel exchange per step (``None``: ``dp = 1``)."""
     optimizer_s: float = 0.0
     """The optimizer step over its shard, alone on a core."""
+    parameter_bytes: int = 0
+    """Its parameter shards (their gradients are as large)."""
+    optimizer_state_bytes: int = 0
+    exchange_bytes: int = 0
+    """The data-parallel exchange's state (residuals, warm starts)."""
+    saved_bytes: int = 0
+    """What one micro-batch's forward saves for the backward pass."""
+
+    def memory(self, in_flight: int) -> dict[str, int]:
+        """Bytes one rank of this stage holds with ``in_flight`` micro-batches' activations."""
+        held = {
+            "parameters": self.parameter_bytes,
+            "gradients": self.parameter_bytes,
+            "optimizer": self.optimizer_state_bytes,
+            "exchange": self.exchange_bytes,
+            "activations": self.saved_bytes * in_flight,
+        }
+        return {**held, "total": sum(held.values())}
 
 
 @dataclass(frozen=True)
@@ -67,8 +85,15 @@ class PlanPrediction:
     """The slowest stage's exchange (and compression) after the pipeline."""
     optimizer_s: float
     stage_end_s: tuple[float, ...]
+    memory: tuple[dict[str, int], ...] = ()
+    """Per stage, what each of its ranks holds (:meth:`StageCost.memory`)."""
 
-    def as_dict(self) -> dict[str, float | list[float]]:
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The most any rank holds."""
+        return max((m["total"] for m in self.memory), default=0)
+
+    def as_dict(self) -> dict[str, object]:
         """JSON-ready figures."""
         return {
             "step_s": self.step_s,
@@ -79,6 +104,8 @@ class PlanPrediction:
             "data_parallel_s": self.data_parallel_s,
             "optimizer_s": self.optimizer_s,
             "stage_end_s": list(self.stage_end_s),
+            "memory": [dict(m) for m in self.memory],
+            "peak_memory_bytes": self.peak_memory_bytes,
         }
 
 
@@ -256,4 +283,5 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         data_parallel_s=max(exchange),
         optimizer_s=max(optimizer),
         stage_end_s=tuple(ends),
+        memory=tuple(s.memory(n) for s, n in zip(stages, pipeline.peak_in_flight, strict=True)),
     )
