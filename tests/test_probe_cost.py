@@ -105,17 +105,33 @@ def test_tensor_parallel_groups_inside_a_host_use_the_host_link():
     assert predicted.pipeline_s == pytest.approx(0.3 + 2 * one)
 
 
-def test_pipeline_messages_cross_hosts_shared_by_the_stage_ranks():
+def test_pipeline_messages_cross_hosts_on_one_link_the_stage_ranks_share():
     probe = _probe()
-    links = PlanOnLinks(Degrees(dp=2, pp=2, tp=2, microbatches=4), probe)
-    # stage 0 is host 0 (4 ranks), stage 1 host 1: all four pairs cross at once
-    message = links.message(0, 1_000_000)
-    assert message.serialise_s == pytest.approx(1e6 * probe.point_to_point[1].beta_s)
+    degrees = Degrees(dp=2, pp=2, tp=2, microbatches=4)
+    links = PlanOnLinks(degrees, probe)
+    # stage 0 is host 0 (4 ranks), stage 1 host 1: all four pairs cross the same link
+    message, per_replica = links.message(0, 1_000_000)
+    assert message.serialise_s == pytest.approx(1e6 * probe.point_to_point[0].beta_s)
+    assert len(per_replica) == 4 and len(set(per_replica)) == 1
     stages = [StageCost(0.1, 0.2, activation_bytes=1_000_000)] * 2
-    predicted = predict_plan(Degrees(dp=2, pp=2, tp=2, microbatches=4), stages, probe)
-    times = simulate("1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message])
+    predicted = predict_plan(degrees, stages, probe)
+    times = simulate(
+        "1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message], replicas=4,
+        links=[per_replica],
+    )  # fmt: skip
     assert predicted.pipeline_s == pytest.approx(times.step_s)
     assert predicted.bubble_s == pytest.approx(times.step_s - 4 * 0.3)
+    # four pipelines on one link wait for each other's messages; one alone does not
+    alone = simulate("1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message])
+    assert times.step_s > alone.step_s + message.serialise_s
+
+
+def test_pipeline_messages_within_a_host_each_have_their_own_link():
+    links = PlanOnLinks(Degrees(dp=2, pp=4, tp=1, microbatches=4), _probe())
+    # stages 0 and 1 (ranks 0-3) share host 0: boundary 0 stays home, boundary 1 crosses
+    _, home = links.message(0, 1_000)
+    _, across = links.message(1, 1_000)
+    assert len(set(home)) == 2 and len(set(across)) == 1
 
 
 def test_a_plan_for_another_cluster_is_refused():

@@ -91,3 +91,16 @@ def test_negative_times_are_refused():
         Message(1.0, -0.1)
     with pytest.raises(ValueError, match=">= 0"):
         Message(1.0, 0.0, -1.0)
+
+
+def test_replicas_on_one_link_take_turns_and_on_their_own_links_do_not():
+    link = [Message(1.0, 0.0)]
+    stages = [StageTimes(0.1, 0.1)] * 2
+    alone = simulate("gpipe", 2, stages, link, link)
+    private = simulate("gpipe", 2, stages, link, link, replicas=3)
+    shared = simulate("gpipe", 2, stages, link, link, replicas=3, links=[["host0-host1"] * 3])
+    assert private.step_s == pytest.approx(alone.step_s)
+    # three pipelines' messages through one link: the last replica waits for the others
+    assert shared.step_s > 2 * alone.step_s
+    with pytest.raises(ValueError, match="a link per replica"):
+        simulate("gpipe", 2, stages, link, link, replicas=3, links=[["a", "b"]])

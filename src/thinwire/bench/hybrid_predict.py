@@ -10,6 +10,7 @@ model (:mod:`thinwire.plan.hybrid_cost`) predicts the step, which the record mea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import statistics
@@ -69,7 +70,7 @@ def profiles_for(config: dict[str, Any], spec: str, cache: Path) -> list[StagePr
     fields = sorted(StageProfile.__dataclass_fields__)  # a profile of other fields is stale
     key = json.dumps([config["task"], options, spec, config.get("optimizer"), fields])
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{abs(hash(key)) % 10**12:012d}.pkl"
+    path = cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pkl"
     if path.exists():
         stored_key, profiles = pickle.loads(path.read_bytes())
         if stored_key == key:

@@ -198,25 +198,29 @@ class PlanOnLinks:
             fit = shared_fit(self.probe.inter_allreduce, self.probe.ranks_per_host)
         return 2 * (tp - 1) * fit.alpha_s + 2 * (tp - 1) / tp * nbytes * fit.beta_s
 
-    def message(self, boundary: int, nbytes: int) -> Message:
-        """One micro-batch's message across ``boundary`` (stage ``b`` to ``b + 1``)."""
+    def replicas(self) -> list[tuple[int, int]]:
+        """The pipelines side by side: one per (data-parallel, tensor-parallel) index."""
+        return [(i, t) for i in range(self.degrees.dp) for t in range(self.degrees.tp)]
+
+    def message(self, boundary: int, nbytes: int) -> tuple[Message, list[object]]:
+        """One micro-batch's message across ``boundary`` (stage ``b`` to ``b + 1``), with
+        the link it has to itself, and per replica the link it crosses on: the pairs
+        between the same two hosts share theirs; within a host each pair has its own."""
         d = self.degrees
-        pairs = [
-            (rank_at(boundary, i, t, d), rank_at(boundary + 1, i, t, d))
-            for i in range(d.dp)
-            for t in range(d.tp)
+        ends = [
+            (self.host(rank_at(boundary, i, t, d)), self.host(rank_at(boundary + 1, i, t, d)))
+            for i, t in self.replicas()
         ]
-        crossing = [a for a, b in pairs if self.host(a) != self.host(b)]
-        if not crossing:
+        if all(a == b for a, b in ends):
             fit = self.probe.intra_allreduce.get(2) or next(
                 iter(self.probe.intra_allreduce.values())
             )
-            return Message(nbytes * fit.beta_s, fit.alpha_s, float(nbytes))
-        per_host = max(sum(self.host(a) == h for a in crossing) for h in range(self.probe.hosts))
-        link = shared_p2p(self.probe, per_host)
-        return Message(
+            return Message(nbytes * fit.beta_s, fit.alpha_s, float(nbytes)), list(range(len(ends)))
+        link = shared_p2p(self.probe, 1)
+        message = Message(
             nbytes * link.beta_s, link.latency_s, min(nbytes, link.buffer_bytes) * link.beta_s
         )
+        return message, [pair if pair[0] != pair[1] else k for k, pair in enumerate(ends)]
 
     def dp_link(self, stage: int) -> tuple[Link, int]:
         """The link one data-parallel group of ``stage`` runs on, and the group's size."""
@@ -258,8 +262,17 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         )
         for s in stages
     ]
-    messages = [links.message(b, stages[b].activation_bytes) for b in range(degrees.pp - 1)]
-    pipeline = simulate(degrees.schedule, degrees.microbatches, times, messages, messages)
+    crossings = [links.message(b, stages[b].activation_bytes) for b in range(degrees.pp - 1)]
+    messages = [message for message, _ in crossings]
+    pipeline = simulate(
+        degrees.schedule,
+        degrees.microbatches,
+        times,
+        messages,
+        messages,
+        replicas=len(links.replicas()),
+        links=[per_replica for _, per_replica in crossings],
+    )
     slowdown = max(1.0, probe.cpu_slowdown)
     exchange, optimizer = [], []
     for index, stage in enumerate(stages):

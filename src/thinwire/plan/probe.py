@@ -193,13 +193,14 @@ def run_probe(ranks_per_host: int, target_s: float = 0.25, repeats: int = 3) -> 
 
 
 def _sizes(measure: Callable[[int], float], target_s: float) -> list[tuple[float, float]]:
-    """Measure growing sizes until one takes ``target_s`` (every rank gets the same list:
+    """Measure growing sizes (three at least) until one takes ``target_s`` (every rank gets
+    the same list:
     ``measure`` returns an agreed time)."""
     samples, nbytes = [], FIRST_BYTES
     while True:
         seconds = measure(nbytes)
         samples.append((float(nbytes), seconds))
-        if (seconds >= target_s and len(samples) >= 2) or nbytes * 4 > LARGEST_BYTES:
+        if (seconds >= target_s and len(samples) >= 3) or nbytes * 4 > LARGEST_BYTES:
             return samples
         nbytes *= 4
 

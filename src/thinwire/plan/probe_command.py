@@ -60,7 +60,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     if int(os.environ["RANK"]) == 0:
         probe.save(args.out)
         Console(width=120).print(probe_table(probe))
-        print(f"saved to {args.out}: plan with 'thinwire plan --links {args.out} ...'")
+        print(
+            f"saved to {args.out}: predict plans on these links with "
+            f"'python bench/predict_hybrid.py --links {args.out} --results RESULTS.json'"
+        )
     return 0
 
 

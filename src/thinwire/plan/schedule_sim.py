@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
@@ -177,58 +177,70 @@ def _one_f_one_b(stage: int, stages: int, m: int) -> Iterator[tuple]:
 _PROGRAMS = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 
-def _ends(key: _Key) -> tuple[int, int]:
+_Wired = tuple[int, str, int, int]  # (replica, direction, boundary, micro-batch)
+
+
+def _ends(key: _Wired) -> tuple[int, int]:
     """The (sender, receiver) stages of message ``key``."""
-    way, boundary, _ = key
+    _, way, boundary, _ = key
     return (boundary, boundary + 1) if way == _FWD else (boundary + 1, boundary)
 
 
 class _Wire:
-    """The byte streams between neighbouring stages, one per way, first in first out.
+    """The byte streams between neighbouring stages, first in first out.
 
     gloo sends a message only once its receiver has posted the receive: the receiver
-    sends a small "ready" note, on the same stream as its own data the other way. The
-    note queues behind whatever that stream already carries, and the data enters its
-    stream when both the send is posted and the note has arrived. Each stream carries one
-    thing at a time, in the order things entered it."""
+    sends a small "ready" note on its own socket to the sender, behind the data that socket
+    already carries the other way; the data leaves once the send is posted and the note
+    is in. A boundary whose link the replicas share (the pairs of ranks crossing between
+    two hosts at once) serves their data one message at a time, in the order it came."""
 
-    def __init__(self, forward: Sequence[Message], backward: Sequence[Message]) -> None:
+    def __init__(
+        self,
+        forward: Sequence[Message],
+        backward: Sequence[Message],
+        links: Sequence[Sequence[Hashable]],
+    ) -> None:
         self.messages = {_FWD: forward, _BWD: backward}
-        self.free_at: dict[tuple[int, int], float] = {}
-        self.send_posted: dict[_Key, float] = {}
-        self.ready: set[_Key] = set()
-        self.sent: dict[_Key, float] = {}
-        self.arrived: dict[_Key, float] = {}
+        self.links = links
+        self.socket_free: dict[tuple[int, int, int], float] = {}
+        self.link_free: dict[tuple[object, int, int], float] = {}
+        self.send_posted: dict[_Wired, float] = {}
+        self.ready: set[_Wired] = set()
+        self.sent: dict[_Wired, float] = {}
+        self.arrived: dict[_Wired, float] = {}
 
-    def _enter(self, stream: tuple[int, int], now: float, serialise_s: float) -> float:
-        start = max(now, self.free_at.get(stream, 0.0))
-        self.free_at[stream] = start + serialise_s
-        return start + serialise_s
+    def _message(self, key: _Wired) -> Message:
+        return self.messages[key[1]][key[2]]
 
-    def post_recv(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+    def post_recv(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         """The receiver posts ``key``'s receive: its ready note leaves for the sender."""
         sender, receiver = _ends(key)
-        message = self.messages[key[0]][key[1]]
-        left = self._enter((receiver, sender), now, 0.0)
-        return [(left + message.latency_s, key, "ready")]
+        left = max(now, self.socket_free.get((key[0], receiver, sender), 0.0))
+        return [(left + self._message(key).latency_s, key, "ready")]
 
-    def post_send(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+    def post_send(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         """The sender posts ``key``'s send; it goes out now if the ready note is in."""
         self.send_posted[key] = now
         return self._transmit(key, now) if key in self.ready else []
 
-    def note_arrived(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
+    def note_arrived(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         """``key``'s ready note reached the sender; the data goes out if it is posted."""
         self.ready.add(key)
         return self._transmit(key, now) if key in self.send_posted else []
 
-    def _transmit(self, key: _Key, now: float) -> list[tuple[float, _Key, str]]:
-        message = self.messages[key[0]][key[1]]
-        left = self._enter(_ends(key), now, message.serialise_s)
+    def _transmit(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
+        message = self._message(key)
+        sender, receiver = _ends(key)
+        socket = (key[0], sender, receiver)
+        link = (self.links[key[2]][key[0]], sender, receiver)
+        start = max(now, self.socket_free.get(socket, 0.0), self.link_free.get(link, 0.0))
+        left = start + message.serialise_s
+        self.socket_free[socket] = self.link_free[link] = left
         sent = max(now, left - message.buffered_s)
         return [(sent, key, "sent"), (left + message.latency_s, key, "arrived")]
 
-    def done(self, key: _Key, stage: int) -> float | None:
+    def done(self, key: _Wired, stage: int) -> float | None:
         """When ``stage``'s side of ``key`` completed (sent, or arrived), if it has."""
         side = self.sent if _ends(key)[0] == stage else self.arrived
         return side.get(key)
@@ -240,17 +252,23 @@ def simulate(
     stages: Sequence[StageTimes],
     forward: Sequence[Message] = (),
     backward: Sequence[Message] = (),
+    replicas: int = 1,
+    links: Sequence[Sequence[Hashable]] | None = None,
 ) -> PipelineTimes:
     """One step of ``schedule`` over ``len(stages)`` pipeline ranks and ``microbatches``
     micro-batches; ``forward[b]`` and ``backward[b]`` are the messages across boundary
-    ``b`` (between stages ``b`` and ``b + 1``)."""
+    ``b`` (between stages ``b`` and ``b + 1``). ``replicas`` pipelines run side by side
+    (the data- and tensor-parallel ranks of a plan); ``links[b][r]`` names the link replica
+    ``r`` crosses boundary ``b`` on: replicas on the same link share it (``serialise_s`` is
+    a message's time with the link to itself). By default each has its own."""
     if schedule not in _PROGRAMS:
         raise ValueError(
             f"the planner simulates the schedules {', '.join(SIMULATED_SCHEDULES)}, not "
             f"{schedule!r}: plan with one of those"
         )
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"micro-batches must be an integer >= 1, got {microbatches!r}")
+    for name, value in (("micro-batches", microbatches), ("replicas", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     count = len(stages)
     if count < 1:
         raise ValueError("a pipeline needs at least one stage")
@@ -259,27 +277,41 @@ def simulate(
             f"{count} stages have {count - 1} boundaries: got {len(forward)} forward and "
             f"{len(backward)} backward messages"
         )
-    return _EventLoop(schedule, microbatches, stages, _Wire(forward, backward)).run()
+    if links is None:
+        links = [list(range(replicas))] * (count - 1)
+    if len(links) != count - 1 or any(len(per) != replicas for per in links):
+        raise ValueError(
+            f"links needs, per boundary ({count - 1}), a link per replica ({replicas})"
+        )
+    wire = _Wire(forward, backward, links)
+    return _EventLoop(schedule, microbatches, stages, wire, replicas).run()
 
 
 class _EventLoop:
-    """Runs every stage's program against the wire, in the order things happen."""
+    """Runs every stage's program (of every replica) against the wire, in time order."""
 
     def __init__(
-        self, schedule: str, microbatches: int, stages: Sequence[StageTimes], wire: _Wire
+        self,
+        schedule: str,
+        microbatches: int,
+        stages: Sequence[StageTimes],
+        wire: _Wire,
+        replicas: int,
     ) -> None:
         self.schedule = schedule
         self.stages = stages
         self.wire = wire
-        self.programs = [
-            _PROGRAMS[schedule](s, len(stages), microbatches) for s in range(len(stages))
-        ]
-        self.clock = [0.0] * len(stages)
-        self.busy = [0.0] * len(stages)
-        self.in_flight = [0] * len(stages)
-        self.peak = [0] * len(stages)
-        self.waiting: dict[int, list[_Key]] = {}
-        self.finished: set[int] = set()
+        count = len(stages)
+        self.actors = [(r, s) for r in range(replicas) for s in range(count)]
+        self.programs = {
+            actor: _PROGRAMS[schedule](actor[1], count, microbatches) for actor in self.actors
+        }
+        self.clock = dict.fromkeys(self.actors, 0.0)
+        self.busy = dict.fromkeys(self.actors, 0.0)
+        self.in_flight = dict.fromkeys(self.actors, 0)
+        self.peak = dict.fromkeys(self.actors, 0)
+        self.waiting: dict[tuple[int, int], list[_Wired]] = {}
+        self.finished: set[tuple[int, int]] = set()
         self.events: list[tuple[float, int, str, object]] = []
         self.counter = itertools.count()
 
@@ -287,51 +319,58 @@ class _EventLoop:
         heapq.heappush(self.events, (when, next(self.counter), kind, payload))
 
     def run(self) -> PipelineTimes:
-        for stage in range(len(self.stages)):
-            self._push(0.0, "run", stage)
+        for actor in self.actors:
+            self._push(0.0, "run", actor)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "run":
                 self._advance(payload, now)  # type: ignore[arg-type]
                 continue
-            key: _Key = payload  # type: ignore[assignment]
+            key: _Wired = payload  # type: ignore[assignment]
             if kind == "ready":
                 for when, k, what in self.wire.note_arrived(key, now):
                     self._push(when, what, k)
                 continue
             (self.wire.sent if kind == "sent" else self.wire.arrived)[key] = now
             for stage in _ends(key):
-                if stage in self.waiting and self._settled(stage) is not None:
-                    del self.waiting[stage]
-                    self._push(now, "run", stage)
-        if len(self.finished) != len(self.stages):
-            stuck = {s: keys for s, keys in self.waiting.items()}
-            raise RuntimeError(f"the simulated {self.schedule} schedule deadlocked: {stuck}")
-        return PipelineTimes(tuple(self.clock), tuple(self.busy), tuple(self.peak))
+                actor = (key[0], stage)
+                if actor in self.waiting and self._settled(actor) is not None:
+                    del self.waiting[actor]
+                    self._push(now, "run", actor)
+        if len(self.finished) != len(self.actors):
+            raise RuntimeError(f"the simulated {self.schedule} schedule deadlocked: {self.waiting}")
+        count = len(self.stages)
+        replicas = range(len(self.actors) // count)
+        return PipelineTimes(
+            tuple(max(self.clock[(r, s)] for r in replicas) for s in range(count)),
+            tuple(self.busy[(0, s)] for s in range(count)),
+            tuple(self.peak[(0, s)] for s in range(count)),
+        )
 
-    def _settled(self, stage: int) -> float | None:
-        ends = [self.wire.done(key, stage) for key in self.waiting[stage]]
+    def _settled(self, actor: tuple[int, int]) -> float | None:
+        ends = [self.wire.done(key, actor[1]) for key in self.waiting[actor]]
         return None if any(end is None for end in ends) else max(ends, default=0.0)  # type: ignore[type-var]
 
-    def _advance(self, stage: int, now: float) -> None:
-        self.clock[stage] = max(self.clock[stage], now)
-        for op in self.programs[stage]:
+    def _advance(self, actor: tuple[int, int], now: float) -> None:
+        self.clock[actor] = max(self.clock[actor], now)
+        replica, stage = actor
+        for op in self.programs[actor]:
             if op[0] == "compute":
                 times = self.stages[stage]
                 seconds = times.forward_s if op[1] == "F" else times.backward_s
-                self.busy[stage] += seconds
-                self.in_flight[stage] += 1 if op[1] == "F" else -1
-                self.peak[stage] = max(self.peak[stage], self.in_flight[stage])
-                self._push(self.clock[stage] + seconds, "run", stage)
+                self.busy[actor] += seconds
+                self.in_flight[actor] += 1 if op[1] == "F" else -1
+                self.peak[actor] = max(self.peak[actor], self.in_flight[actor])
+                self._push(self.clock[actor] + seconds, "run", actor)
                 return
             if op[0] == "post":
-                key, role = op[1], op[2]
-                post = self.wire.post_recv if role == "recv" else self.wire.post_send
-                for when, k, what in post(key, self.clock[stage]):
+                key = (replica, *op[1])
+                post = self.wire.post_recv if op[2] == "recv" else self.wire.post_send
+                for when, k, what in post(key, self.clock[actor]):
                     self._push(when, what, k)
                 continue
-            self.waiting[stage] = list(op[1])
-            if self._settled(stage) is None:
+            self.waiting[actor] = [(replica, *k) for k in op[1]]
+            if self._settled(actor) is None:
                 return
-            del self.waiting[stage]
-        self.finished.add(stage)
+            del self.waiting[actor]
+        self.finished.add(actor)
