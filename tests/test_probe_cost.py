@@ -139,3 +139,12 @@ def test_a_plan_for_another_cluster_is_refused():
         predict_plan(Degrees(dp=4, pp=1, tp=1), [StageCost(1.0, 1.0)], _probe())
     with pytest.raises(ValueError, match="a cost per stage"):
         predict_plan(Degrees(dp=4, pp=2, tp=1), [StageCost(1.0, 1.0)], _probe())
+
+
+def test_the_probe_command_outside_a_job_says_how_to_launch_it(monkeypatch, capsys):
+    from thinwire.cli import main
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["probe", "--out", "unused.json"]) == 2
+    assert "torchrun" in capsys.readouterr().err
