@@ -8,6 +8,7 @@ import json
 import socket
 
 import pytest
+import torch
 
 from thinwire.bench.hybrid import HybridConfig
 from thinwire.bench.hybrid_predict import predict_sweep
@@ -119,8 +120,35 @@ TINY = {"dim": 32, "layers": 2, "heads": 4, "seq_len": 16, "batch_size": 8, "voc
         "max_bytes": 200_000, "eval_tokens": 512}  # fmt: skip
 
 
+def test_a_stage_costs_what_its_parts_cost(tmp_path, monkeypatch) -> None:
+    from thinwire.plan.stage_profile import compose_stage, profile_blocks, profile_plan
+
+    monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path))
+    plan = parse_plan("2x2x2/mb2:powersgd(rank=2)")
+    stages = profile_plan("gpt", TINY, plan, microbatch=2, repeats=1)
+    parts = profile_blocks("gpt", TINY, plan, microbatch=2, repeats=1)
+    assert len(parts.blocks) == 2 and parts.blocks[0] is parts.blocks[1]  # one kind of block
+    for index, whole in enumerate(stages):
+        composed = compose_stage(parts, range(index, index + 1), first=index == 0, last=index == 1)
+        shapes = [torch.Size(s).numel() for s in whole.parameter_shapes]
+        assert composed.parameter_bytes == 4 * sum(shapes)
+        assert composed.saved_bytes == whole.saved_bytes
+        assert composed.exchange_bytes == whole.exchange_bytes
+        assert composed.optimizer_state_bytes == whole.optimizer_state_bytes
+        assert sorted(composed.forward_allreduces) == sorted(
+            c.nbytes for c in whole.forward.collectives
+        )
+        assert sorted(composed.backward_allreduces) == sorted(
+            c.nbytes for c in (*whole.backward.collectives, *whole.loss_collectives)
+        )
+        assert composed.dp_cost.payload_bytes == whole.dp_cost.payload_bytes
+        assert composed.activation_bytes == (whole.activation_bytes if index == 0 else 0)
+    with pytest.raises(ValueError, match="at least one block"):
+        compose_stage(parts, range(0), first=False, last=False)
+
+
 def test_a_stage_profile_notes_the_shards_collectives_and_compute(tmp_path, monkeypatch) -> None:
-    from thinwire.bench.plan_profile import profile_plan
+    from thinwire.plan.stage_profile import profile_plan
 
     monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path))
     plan = parse_plan("1x2x2/mb2")

@@ -1,7 +1,7 @@
 """Predicted against measured: the hybrid cost model on ``thinwire bench --plans`` records.
 
 For each record of a sleeping sweep (``--compute sleep``): the plan's stages profiled on one
-process (:mod:`thinwire.bench.plan_profile`: the collectives each stage issues, its
+process (:mod:`thinwire.plan.stage_profile`: the collectives each stage issues, its
 data-parallel exchange measured through the real engine, its optimizer step), the compute
 the run's virtual accelerators slept (the record's ``stage_compute_s``: an input of the
 run, not a result), and links a ``thinwire probe`` measured on the same cluster: the cost
@@ -17,10 +17,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from thinwire.bench.plan_profile import StageProfile, profile_plan
 from thinwire.bench.plans import parse_plan
 from thinwire.plan.hybrid_cost import Degrees, StageCost, predict_plan
 from thinwire.plan.probe import LinkProbe
+from thinwire.plan.stage_profile import StageProfile, profile_plan
 from thinwire.tasks import task
 
 

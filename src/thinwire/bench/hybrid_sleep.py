@@ -1,6 +1,6 @@
 """``thinwire bench --plans --compute sleep``: plans timed on virtual accelerators.
 
-Per plan: every stage's shard is profiled on one process (:mod:`thinwire.bench.plan_profile`,
+Per plan: every stage's shard is profiled on one process (:mod:`thinwire.plan.stage_profile`,
 one core to itself), then every rank builds the real trainer, takes one real step's
 gradients without exchanging them, and times ``steps`` steps in which each stage sleeps
 its profiled compute and replays its tensor-parallel collectives
@@ -20,12 +20,12 @@ import statistics
 import time
 from typing import Any
 
-from thinwire.bench.plan_profile import StageProfile, profile_plan
 from thinwire.bench.sleeping_stages import capture_gradients, sleep_stages
 from thinwire.bench.traffic import sent_now
 from thinwire.parallel import ParallelPlan, parallelize
 from thinwire.plan.activations import SavedActivations
 from thinwire.plan.plan_traffic import PlanSizes, plan_traffic
+from thinwire.plan.stage_profile import StageProfile, profile_plan
 from thinwire.tasks import task
 
 

@@ -4,7 +4,7 @@ collectives: the virtual accelerators of ``thinwire bench --plans --compute slee
 A trainer built by :func:`thinwire.parallelize` keeps everything but its stages' math: the
 mesh, the pipeline schedule and its sends, the loss and its all-reduces, the data-parallel
 engine and its compressor, the optimizer. Each stage's forward becomes: for each
-collective :mod:`thinwire.bench.plan_profile` noted, sleep the compute before it, then
+collective :mod:`thinwire.plan.stage_profile` noted, sleep the compute before it, then
 all-reduce a tensor of its shape on the real ``"tp"`` group; then sleep the tail and
 return zeros of the real output's shape. Its backward does the same with the backward
 profile and hands each parameter the gradient one real step produced (so compressors see
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from thinwire.bench.plan_profile import Pass, StageProfile
 from thinwire.parallel.stages import StageModule
+from thinwire.plan.stage_profile import Pass, StageProfile
 
 
 def replay(profile_pass: Pass, group: dist.ProcessGroup | None) -> None:

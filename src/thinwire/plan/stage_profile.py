@@ -11,8 +11,13 @@ compute on this machine's core; the collectives are the ones the real shard issu
 :mod:`thinwire.bench.sleeping_stages` replays them on the real ranks: sleep a gap, run the
 collective on the real ``"tp"`` group, and so on.
 
-The loss is not profiled: the sleeping ranks compute it for real (it is small, and its
-all-reduces are part of the step).
+The loss is not timed: the sleeping ranks compute it for real (it is small, and its
+all-reduces are part of the step). Each profile also keeps what the planner needs: the
+activations one micro-batch saves for its backward pass, the data-parallel exchange's cost
+and state, and the optimizer's step time and state. :func:`profile_blocks` profiles the
+parts a stage is made of (the embedding, each kind of block, the head and loss) once, and
+:func:`compose_stage` adds them up into any stage's cost: a stage of the whole model costs
+what its parts cost (bytes exactly, as ``tests/test_hybrid_sleep.py`` checks).
 """
 
 from __future__ import annotations
@@ -330,3 +335,124 @@ def profile_plan(
         return pool.submit(
             _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
         ).result()
+
+
+@dataclass(frozen=True)
+class BlockProfiles:
+    """The parts every stage is made of, each profiled once (one micro-batch, one rank of a
+    ``tp``-way shard): ``first`` the embedding alone, ``blocks`` one profile per block of
+    the model (blocks of the same kind and shapes share theirs), ``last`` the final norm,
+    the head and the loss; ``hidden_bytes``: what a stage sends the next per micro-batch."""
+
+    first: StageProfile
+    blocks: tuple[StageProfile, ...]
+    last: StageProfile
+    hidden_bytes: int
+
+
+def profile_blocks(
+    task_name: str,
+    task_options: dict[str, Any],
+    plan: Any,
+    microbatch: int,
+    repeats: int = 3,
+    optimizer: str = "adamw",
+) -> BlockProfiles:
+    """Each distinct part of the task's model under ``plan``'s ``tp`` (and its
+    data-parallel method over ``plan.dp`` for the exchange's cost), in a fresh process on
+    the fake process group; any stage's cost is then a sum (:func:`compose_stage`)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(
+            _blocks_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
+        ).result()
+
+
+def _blocks_in_fake_world(
+    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
+    optimizer: str,
+) -> BlockProfiles:  # fmt: skip
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from thinwire.parallel.layout import read_layout, submodule
+    from thinwire.parallel.loss import sharded_loss
+    from thinwire.parallel.mesh import make_mesh
+    from thinwire.parallel.stages import StageModule
+    from thinwire.parallel.tensor import apply_tensor_parallel
+    from thinwire.tasks import task
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        job = task(task_name, **task_options)
+        model = job.build_model()
+        layout = read_layout(model)
+        blocks = submodule(model, layout.blocks)
+        mesh = make_mesh(plan)
+        loss = sharded_loss(None, mesh["tp"] if plan.tp > 1 else None, layout.vocab)
+        tokens, targets = job.global_batch(0)
+        batch = (tokens[:microbatch], targets[:microbatch])
+
+        def part(kept: range, first: bool, last: bool) -> StageProfile:
+            stage = StageModule(model, layout, kept, first=first, last=last)
+            if plan.tp > 1:
+                apply_tensor_parallel(stage, mesh["tp"])
+            return _profile_stage(0, stage, loss, batch, plan, repeats, optimizer)
+
+        kinds: dict[tuple, StageProfile] = {}
+        per_block = []
+        for index, block in enumerate(blocks):
+            kind = (type(block).__name__, tuple(tuple(p.shape) for p in block.parameters()))
+            if kind not in kinds:
+                kinds[kind] = part(range(index, index + 1), first=False, last=False)
+            per_block.append(kinds[kind])
+        hidden = microbatch * tokens.shape[1] * layout_dim(model) * 4
+        return BlockProfiles(
+            first=part(range(0), first=True, last=False),
+            blocks=tuple(per_block),
+            last=part(range(len(blocks), len(blocks)), first=False, last=True),
+            hidden_bytes=hidden,
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def compose_stage(parts: BlockProfiles, blocks: range, *, first: bool, last: bool) -> Any:
+    """The cost of a stage holding ``blocks`` (and the embedding if ``first``, the head
+    and loss if ``last``): its parts' costs added up (:class:`thinwire.plan.hybrid_cost.
+    StageCost`)."""
+    from thinwire.plan.cost import MethodCost
+    from thinwire.plan.hybrid_cost import StageCost
+
+    chosen = [*([parts.first] if first else []), *(parts.blocks[i] for i in blocks)]
+    chosen += [parts.last] if last else []
+    if not chosen:
+        raise ValueError("a stage holds at least one block, the embedding or the head")
+    costs = [p.dp_cost for p in chosen if p.dp_cost is not None]
+    exchange = None
+    if costs:
+        exchange = MethodCost(
+            costs[0].method,
+            tuple(b for c in costs for b in c.buckets),
+            dense_bytes=sum(c.dense_bytes for c in costs),
+            options=costs[0].options,
+            schedule=costs[0].schedule,
+        )
+    return StageCost(
+        forward_s=sum(p.forward.compute_s for p in chosen),
+        backward_s=sum(p.backward.compute_s for p in chosen),
+        forward_allreduces=tuple(c.nbytes for p in chosen for c in p.forward.collectives),
+        backward_allreduces=tuple(
+            c.nbytes for p in chosen for c in (*p.backward.collectives, *p.loss_collectives)
+        ),
+        activation_bytes=0 if last else parts.hidden_bytes,
+        dp_cost=exchange,
+        optimizer_s=sum(p.optimizer_s for p in chosen),
+        parameter_bytes=sum(
+            4 * torch.Size(shape).numel() for p in chosen for shape in p.parameter_shapes
+        ),
+        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in chosen),
+        exchange_bytes=sum(p.exchange_bytes for p in chosen),
+        saved_bytes=sum(p.saved_bytes for p in chosen),
+    )
