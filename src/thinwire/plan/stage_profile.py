@@ -23,9 +23,11 @@ what its parts cost (bytes exactly, as ``tests/test_hybrid_sleep.py`` checks).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,20 +155,28 @@ def _median_pass(passes: list[Pass]) -> Pass:
     return Pass(collectives, statistics.median(p.tail_s for p in passes))
 
 
-def _profile_in_fake_world(
-    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
-    optimizer: str = "adamw",
-) -> list[StageProfile]:  # fmt: skip
-    """In a fresh process on the fake process group: every stage of ``plan``, one after
-    another, each timed on one micro-batch."""
+@dataclass
+class _FakeWorld:
+    """The task's model, its layout, the plan's mesh and loss, and one micro-batch, on
+    PyTorch's fake process group (collectives return at once)."""
+
+    model: Any
+    layout: Any
+    mesh: Any
+    loss: Any
+    batch: tuple[torch.Tensor, torch.Tensor]
+
+
+@contextlib.contextmanager
+def _fake_world(
+    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int
+) -> Iterator[_FakeWorld]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from thinwire.parallel.layout import read_layout, submodule
+    from thinwire.parallel.layout import read_layout
     from thinwire.parallel.loss import sharded_loss
     from thinwire.parallel.mesh import make_mesh
-    from thinwire.parallel.stages import StageModule, even_boundaries, stage_ranges
-    from thinwire.parallel.tensor import apply_tensor_parallel
     from thinwire.tasks import task
 
     torch.set_num_threads(1)
@@ -175,23 +185,56 @@ def _profile_in_fake_world(
         job = task(task_name, **task_options)
         model = job.build_model()
         layout = read_layout(model)
-        blocks = len(submodule(model, layout.blocks))
-        ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
         mesh = make_mesh(plan)
         loss = sharded_loss(None, mesh["tp"] if plan.tp > 1 else None, layout.vocab)
         tokens, targets = job.global_batch(0)
-        batch = (tokens[:microbatch], targets[:microbatch])
-        profiles = []
-        for index, blocks_of_stage in enumerate(ranges):
-            stage = StageModule(
-                model, layout, blocks_of_stage, first=index == 0, last=index == plan.chunks - 1
-            )
-            if plan.tp > 1:
-                apply_tensor_parallel(stage, mesh["tp"])
-            profiles.append(_profile_stage(index, stage, loss, batch, plan, repeats, optimizer))
-        return profiles
+        yield _FakeWorld(model, layout, mesh, loss, (tokens[:microbatch], targets[:microbatch]))
     finally:
         dist.destroy_process_group()
+
+
+def _stage(world: _FakeWorld, plan: Any, blocks: range, first: bool, last: bool) -> Any:
+    """A stage of ``blocks``, sharded over ``"tp"`` as :func:`thinwire.parallelize` does."""
+    from thinwire.parallel.stages import StageModule
+    from thinwire.parallel.tensor import apply_tensor_parallel
+
+    stage = StageModule(world.model, world.layout, blocks, first=first, last=last)
+    if plan.tp > 1:
+        apply_tensor_parallel(stage, world.mesh["tp"])
+    return stage
+
+
+def _in_fresh_process(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a fresh process (spawned: a core and a process group of its own)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _profile_in_fake_world(
+    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
+    optimizer: str = "adamw",
+) -> list[StageProfile]:  # fmt: skip
+    """In a fresh process on the fake process group: every stage of ``plan``, one after
+    another, each timed on one micro-batch."""
+    from thinwire.parallel.layout import submodule
+    from thinwire.parallel.stages import even_boundaries, stage_ranges
+
+    with _fake_world(task_name, task_options, plan, microbatch) as world:
+        blocks = len(submodule(world.model, world.layout.blocks))
+        ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
+        return [
+            _profile_stage(
+                index,
+                _stage(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
+                world.loss,
+                world.batch,
+                plan,
+                repeats,
+                optimizer,
+            )
+            for index, kept in enumerate(ranges)
+        ]
 
 
 def _profile_stage(
@@ -330,11 +373,9 @@ def profile_plan(
     """Every stage of ``plan``, profiled one after another in a fresh process on the fake
     process group (so that each has this machine's core to itself); ``optimizer``
     (``"adamw"`` or ``"sgd"``) is timed over each stage's shard."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(
-            _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
-        ).result()
+    return _in_fresh_process(
+        _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
+    )
 
 
 @dataclass(frozen=True)
@@ -361,44 +402,23 @@ def profile_blocks(
     """Each distinct part of the task's model under ``plan``'s ``tp`` (and its
     data-parallel method over ``plan.dp`` for the exchange's cost), in a fresh process on
     the fake process group; any stage's cost is then a sum (:func:`compose_stage`)."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(
-            _blocks_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
-        ).result()
+    return _in_fresh_process(
+        _blocks_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
+    )
 
 
 def _blocks_in_fake_world(
     task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
     optimizer: str,
 ) -> BlockProfiles:  # fmt: skip
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from thinwire.parallel.layout import submodule
 
-    from thinwire.parallel.layout import read_layout, submodule
-    from thinwire.parallel.loss import sharded_loss
-    from thinwire.parallel.mesh import make_mesh
-    from thinwire.parallel.stages import StageModule
-    from thinwire.parallel.tensor import apply_tensor_parallel
-    from thinwire.tasks import task
-
-    torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        job = task(task_name, **task_options)
-        model = job.build_model()
-        layout = read_layout(model)
-        blocks = submodule(model, layout.blocks)
-        mesh = make_mesh(plan)
-        loss = sharded_loss(None, mesh["tp"] if plan.tp > 1 else None, layout.vocab)
-        tokens, targets = job.global_batch(0)
-        batch = (tokens[:microbatch], targets[:microbatch])
+    with _fake_world(task_name, task_options, plan, microbatch) as world:
+        blocks = submodule(world.model, world.layout.blocks)
 
         def part(kept: range, first: bool, last: bool) -> StageProfile:
-            stage = StageModule(model, layout, kept, first=first, last=last)
-            if plan.tp > 1:
-                apply_tensor_parallel(stage, mesh["tp"])
-            return _profile_stage(0, stage, loss, batch, plan, repeats, optimizer)
+            stage = _stage(world, plan, kept, first, last)
+            return _profile_stage(0, stage, world.loss, world.batch, plan, repeats, optimizer)
 
         kinds: dict[tuple, StageProfile] = {}
         per_block = []
@@ -407,15 +427,13 @@ def _blocks_in_fake_world(
             if kind not in kinds:
                 kinds[kind] = part(range(index, index + 1), first=False, last=False)
             per_block.append(kinds[kind])
-        hidden = microbatch * tokens.shape[1] * layout_dim(model) * 4
+        tokens = world.batch[0]
         return BlockProfiles(
             first=part(range(0), first=True, last=False),
             blocks=tuple(per_block),
             last=part(range(len(blocks), len(blocks)), first=False, last=True),
-            hidden_bytes=hidden,
+            hidden_bytes=tokens.shape[0] * tokens.shape[1] * layout_dim(world.model) * 4,
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def compose_stage(parts: BlockProfiles, blocks: range, *, first: bool, last: bool) -> Any:
