@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from thinwire.plan.cost import MethodCost
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
+from thinwire.plan.plan_traffic import rank_at
 from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
 from thinwire.plan.schedule_sim import Message, StageTimes, simulate
 
@@ -119,11 +120,6 @@ class Degrees:
     tp: int
     microbatches: int = 1
     schedule: str = "1f1b"
-
-
-def rank_at(pp: int, dp: int, tp: int, degrees: Degrees) -> int:
-    """The global rank at mesh coordinates ``(pp, dp, tp)`` (tensor parallel innermost)."""
-    return (pp * degrees.dp + dp) * degrees.tp + tp
 
 
 def fitted_link(fit: Fit) -> Link:
@@ -292,7 +288,7 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         pipeline_s=pipeline.step_s,
         compute_s=compute,
         tensor_s=m * tensor[busiest],
-        bubble_s=pipeline.step_s - compute - m * tensor[busiest],
+        bubble_s=max(0.0, pipeline.step_s - compute - m * tensor[busiest]),
         data_parallel_s=max(exchange),
         optimizer_s=max(optimizer),
         stage_end_s=tuple(ends),

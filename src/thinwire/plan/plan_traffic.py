@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,16 @@ def coordinates(rank: int, sizes: PlanSizes) -> tuple[int, int, int]:
     return rank // (sizes.dp * sizes.tp), rank // sizes.tp % sizes.dp, rank % sizes.tp
 
 
-def rank_at(pp: int, dp: int, tp: int, sizes: PlanSizes) -> int:
-    """The global rank at mesh coordinates ``(pp, dp, tp)``."""
+class MeshShape(Protocol):
+    """Anything with a plan's data- and tensor-parallel degrees."""
+
+    dp: int
+    tp: int
+
+
+def rank_at(pp: int, dp: int, tp: int, sizes: MeshShape) -> int:
+    """The global rank at mesh coordinates ``(pp, dp, tp)`` (tensor parallel innermost),
+    for ``sizes`` of any plan (a :class:`PlanSizes`, a :class:`ParallelPlan`...)."""
     return (pp * sizes.dp + dp) * sizes.tp + tp
 
 
