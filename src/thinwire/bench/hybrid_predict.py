@@ -72,7 +72,10 @@ def profiles_for(config: dict[str, Any], spec: str, cache: Path) -> list[StagePr
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pkl"
     if path.exists():
-        stored_key, profiles = pickle.loads(path.read_bytes())
+        try:
+            stored_key, profiles = pickle.loads(path.read_bytes())
+        except (pickle.UnpicklingError, ImportError, AttributeError, EOFError, ValueError):
+            stored_key = None  # written by another version of thinwire: profile again
         if stored_key == key:
             return profiles
     batch = task(config["task"], **options).batch_size

@@ -224,10 +224,8 @@ class PlanOnLinks:
         groups = [[rank_at(stage, i, t, d) for i in range(d.dp)] for t in range(d.tp)]
         spanning = [g for g in groups if len({self.host(r) for r in g}) > 1]
         if not spanning:
-            fit = self.probe.intra_allreduce.get(d.dp) or shared_fit(
-                self.probe.intra_allreduce, self.probe.ranks_per_host
-            )
-            return fitted_link(fit), d.dp
+            intra = self.probe.intra_allreduce  # by group size; else the largest probed
+            return fitted_link(intra.get(d.dp) or intra[max(intra)]), d.dp
         # every stage's groups exchange at about the same time, after the pipeline
         all_spanning = [
             [rank_at(s, i, t, d) for i in range(d.dp)]
