@@ -14,13 +14,14 @@ import hashlib
 import json
 import pickle
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from thinwire.bench.plans import parse_plan
 from thinwire.plan.hybrid_cost import Degrees, StageCost, predict_plan
 from thinwire.plan.probe import LinkProbe
-from thinwire.plan.stage_profile import StageProfile, profile_plan
+from thinwire.plan.stage_profile import StageProfile, cost_of, profile_plan
 from thinwire.tasks import task
 
 
@@ -31,35 +32,12 @@ def stage_costs(
     (per stage ``forward`` and ``backward`` seconds) in place of the profiled, if given."""
     costs = []
     for profile in sorted(profiles, key=lambda p: p.index):
-        forward, backward = profile.forward.compute_s, profile.backward.compute_s
+        cost = cost_of([profile], profile.activation_bytes)
         if compute is not None:
             given = next(c for c in compute if c["stage"] == profile.index)
-            forward, backward = given["forward"], given["backward"]
-        costs.append(
-            StageCost(
-                forward_s=forward,
-                backward_s=backward,
-                forward_allreduces=tuple(c.nbytes for c in profile.forward.collectives),
-                backward_allreduces=tuple(
-                    c.nbytes for c in (*profile.backward.collectives, *profile.loss_collectives)
-                ),
-                activation_bytes=profile.activation_bytes,
-                dp_cost=profile.dp_cost,
-                optimizer_s=profile.optimizer_s,
-                parameter_bytes=sum(4 * _numel(shape) for shape in profile.parameter_shapes),
-                optimizer_state_bytes=profile.optimizer_state_bytes,
-                exchange_bytes=profile.exchange_bytes,
-                saved_bytes=profile.saved_bytes,
-            )
-        )
+            cost = replace(cost, forward_s=given["forward"], backward_s=given["backward"])
+        costs.append(cost)
     return costs
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def profiles_for(config: dict[str, Any], spec: str, cache: Path) -> list[StageProfile]:

@@ -24,7 +24,8 @@ The step is the last stage to finish. :class:`PlanPrediction` breaks it down.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 from thinwire.plan.cost import MethodCost
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
@@ -136,16 +137,28 @@ def _between(low: float, high: float, at: int, top: int) -> float:
     return low if top <= 1 else low + (high - low) * (min(at, top) - 1) / (top - 1)
 
 
+_Measured = TypeVar("_Measured", Fit, PointToPoint)
+
+
+def _at_count(measured: dict[int, _Measured], count: int) -> _Measured:
+    """The probe's figures for ``count`` flows at once: measured, or linear between the
+    fewest and the most it measured (each field in seconds or bytes)."""
+    if count in measured:
+        return measured[count]
+    low, top = measured[min(measured)], max(measured)
+    high = measured[top]
+    between = {
+        f.name: _between(getattr(low, f.name), getattr(high, f.name), count, top)
+        for f in fields(low)
+        if f.name.endswith(("_s", "_bytes"))
+    }
+    extra = {"pairs": count} if isinstance(low, PointToPoint) else {}
+    return replace(low, samples=(), **between, **extra)
+
+
 def shared_fit(fits: dict[int, Fit], count: int) -> Fit:
     """The all-reduce fit with ``count`` groups at once, between the probe's (one, all)."""
-    if count in fits:
-        return fits[count]
-    low, top = fits[min(fits)], max(fits)
-    high = fits[top]
-    return Fit(
-        _between(low.alpha_s, high.alpha_s, count, top),
-        _between(low.beta_s, high.beta_s, count, top),
-    )
+    return _at_count(fits, count)
 
 
 def shared_p2p(probe: LinkProbe, pairs: int) -> PointToPoint:
@@ -153,16 +166,7 @@ def shared_p2p(probe: LinkProbe, pairs: int) -> PointToPoint:
     fits = {p.pairs: p for p in probe.point_to_point}
     if not fits:
         raise ValueError("the probe ran on one host: it has no link between hosts")
-    if pairs in fits:
-        return fits[pairs]
-    low, top = fits[min(fits)], max(fits)
-    high = fits[top]
-    return PointToPoint(
-        _between(low.latency_s, high.latency_s, pairs, top),
-        _between(low.beta_s, high.beta_s, pairs, top),
-        _between(low.buffer_bytes, high.buffer_bytes, pairs, top),
-        pairs,
-    )
+    return _at_count(fits, pairs)
 
 
 class PlanOnLinks:

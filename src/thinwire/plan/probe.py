@@ -193,9 +193,8 @@ def run_probe(ranks_per_host: int, target_s: float = 0.25, repeats: int = 3) -> 
 
 
 def _sizes(measure: Callable[[int], float], target_s: float) -> list[tuple[float, float]]:
-    """Measure growing sizes (three at least) until one takes ``target_s`` (every rank gets
-    the same list:
-    ``measure`` returns an agreed time)."""
+    """Measure growing sizes (three at least) until one takes ``target_s``; every rank gets
+    the same list (``measure`` returns a time all ranks agree on)."""
     samples, nbytes = [], FIRST_BYTES
     while True:
         seconds = measure(nbytes)

@@ -27,7 +27,7 @@ import contextlib
 import multiprocessing
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -438,18 +438,24 @@ def _blocks_in_fake_world(
 
 def compose_stage(parts: BlockProfiles, blocks: range, *, first: bool, last: bool) -> Any:
     """The cost of a stage holding ``blocks`` (and the embedding if ``first``, the head
-    and loss if ``last``): its parts' costs added up (:class:`thinwire.plan.hybrid_cost.
-    StageCost`)."""
-    from thinwire.plan.cost import MethodCost
-    from thinwire.plan.hybrid_cost import StageCost
-
+    and loss if ``last``): its parts' costs added up (:func:`cost_of`)."""
     chosen = [*([parts.first] if first else []), *(parts.blocks[i] for i in blocks)]
     chosen += [parts.last] if last else []
     if not chosen:
         raise ValueError("a stage holds at least one block, the embedding or the head")
-    costs = [p.dp_cost for p in chosen if p.dp_cost is not None]
-    exchange = None
-    if costs:
+    return cost_of(chosen, activation_bytes=0 if last else parts.hidden_bytes)
+
+
+def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:
+    """The planner's :class:`thinwire.plan.hybrid_cost.StageCost` of one rank running the
+    parts ``profiles`` one after another, sending ``activation_bytes`` on per micro-batch:
+    times, collectives, bytes and the data-parallel exchange's buckets added up."""
+    from thinwire.plan.cost import MethodCost
+    from thinwire.plan.hybrid_cost import StageCost
+
+    costs = [p.dp_cost for p in profiles if p.dp_cost is not None]
+    exchange = costs[0] if len(costs) == 1 else None
+    if len(costs) > 1:
         exchange = MethodCost(
             costs[0].method,
             tuple(b for c in costs for b in c.buckets),
@@ -458,19 +464,19 @@ def compose_stage(parts: BlockProfiles, blocks: range, *, first: bool, last: boo
             schedule=costs[0].schedule,
         )
     return StageCost(
-        forward_s=sum(p.forward.compute_s for p in chosen),
-        backward_s=sum(p.backward.compute_s for p in chosen),
-        forward_allreduces=tuple(c.nbytes for p in chosen for c in p.forward.collectives),
+        forward_s=sum(p.forward.compute_s for p in profiles),
+        backward_s=sum(p.backward.compute_s for p in profiles),
+        forward_allreduces=tuple(c.nbytes for p in profiles for c in p.forward.collectives),
         backward_allreduces=tuple(
-            c.nbytes for p in chosen for c in (*p.backward.collectives, *p.loss_collectives)
+            c.nbytes for p in profiles for c in (*p.backward.collectives, *p.loss_collectives)
         ),
-        activation_bytes=0 if last else parts.hidden_bytes,
+        activation_bytes=activation_bytes,
         dp_cost=exchange,
-        optimizer_s=sum(p.optimizer_s for p in chosen),
+        optimizer_s=sum(p.optimizer_s for p in profiles),
         parameter_bytes=sum(
-            4 * torch.Size(shape).numel() for p in chosen for shape in p.parameter_shapes
+            4 * torch.Size(shape).numel() for p in profiles for shape in p.parameter_shapes
         ),
-        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in chosen),
-        exchange_bytes=sum(p.exchange_bytes for p in chosen),
-        saved_bytes=sum(p.saved_bytes for p in chosen),
+        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in profiles),
+        exchange_bytes=sum(p.exchange_bytes for p in profiles),
+        saved_bytes=sum(p.saved_bytes for p in profiles),
     )
