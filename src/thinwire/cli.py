@@ -111,6 +111,18 @@ def _plan(args: argparse.Namespace) -> int:
 
     from thinwire.plan import report
 
+    if args.model:
+        from thinwire.plan.hybrid_command import run_from_args
+
+        return run_from_args(args)
+    missing = [f"--{n}" for n in ("task", "workers", "bandwidth") if not getattr(args, n)]
+    if missing:
+        print(
+            f"thinwire plan: error: {', '.join(missing)} missing: plan data parallelism with "
+            "--task, --workers and --bandwidth, or a hybrid plan with --model (thinwire plan -h)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         request = report.parse_request(
             args.task,
@@ -163,16 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a quick bench on an emulated cluster (make demo)")
     add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
-    plan = sub.add_parser("plan", help="predict step time per method on a given network")
-    plan.add_argument("--task", required=True, help="task name, e.g. digits, fashion, text")
-    plan.add_argument("--workers", type=int, required=True, help="data-parallel workers")
-    plan.add_argument("--bandwidth", required=True, help="per-worker link, e.g. 100mbit")
+    plan = sub.add_parser(
+        "plan",
+        help="predict step time per method (--task), or choose a hybrid plan (--model)",
+    )
+    plan.add_argument("--task", default="", help="task name, e.g. digits, fashion, text")
+    plan.add_argument("--workers", type=int, default=0, help="data-parallel workers")
+    plan.add_argument("--bandwidth", default="", help="per-worker link, e.g. 100mbit")
     plan.add_argument("--latency", default="0", help="one-way latency, e.g. 1ms (default 0)")
     plan.add_argument("--methods", default="", help="comma-separated methods (default: a mix)")
     plan.add_argument("--options", default="", help='JSON, e.g. \'{"dgc": {"density": 0.01}}\'')
     plan.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
     add_ddp_arguments(plan)
     plan.add_argument("--json", default="", help="also write the plan to this JSON file")
+    from thinwire.plan.hybrid_command import add_arguments as add_hybrid_arguments
+
+    add_hybrid_arguments(plan)
     plan.set_defaults(run=_plan)
     from thinwire.plan.probe_command import add_arguments as add_probe_arguments
 

@@ -1,7 +1,9 @@
-"""Plans written on the command line: ``DPxPPxTP[/mbN][/SCHEDULE][:METHOD[(k=v,...)]]``.
+"""Plans written on the command line:
+``DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...][:METHOD[(k=v,...)]]``.
 
     2x2x2                       dp=2 pp=2 tp=2, 2 micro-batches, 1F1B, dense dp
     2x2x2/mb4/gpipe:powersgd(rank=4)
+    1x4x2/mb8/stages2,4,7       stages start at blocks 0, 2, 4 and 7 (default: even)
     8x1x1:dgc(density=0.01)
 
 Micro-batches default to ``pp`` (the fewest 1F1B accepts). Option values are read as
@@ -41,25 +43,28 @@ def parse_plan(spec: str) -> ParallelPlan:
     match = _PLAN.match(spec.strip())
     if match is None:
         raise ValueError(
-            f"cannot read plan {spec!r}: write DPxPPxTP[/mbN][/SCHEDULE][:METHOD(k=v,...)], "
+            f"cannot read plan {spec!r}: write DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...]"
+            "[:METHOD(k=v,...)], "
             "e.g. 2x2x2/mb4/1f1b:powersgd(rank=4)"
         )
     dp, pp, tp = (int(match[name]) for name in ("dp", "pp", "tp"))
-    microbatches, schedule = pp, "1f1b"
+    microbatches, schedule, stages = pp, "1f1b", None
     for part in filter(None, match["parts"].split("/")):
         if part.startswith("mb") and part[2:].isdigit():
             microbatches = int(part[2:])
+        elif part.startswith("stages") and re.fullmatch(r"\d+(,\d+)*", part[6:]):
+            stages = tuple(int(b) for b in part[6:].split(","))
         elif part in SCHEDULES:
             schedule = part
         else:
             raise ValueError(
-                f"plan {spec!r}: {part!r} is neither mbN (micro-batches) nor a schedule "
-                f"({', '.join(SCHEDULES)})"
+                f"plan {spec!r}: {part!r} is neither mbN (micro-batches), a schedule "
+                f"({', '.join(SCHEDULES)}) nor stagesB,... (where stages start)"
             )
     method = match["method"] or "dense"
     options = _options(match["options"] or "", spec)
     return ParallelPlan(
-        dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule,
+        dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule, stages=stages,
         dp_method=method, dp_options=options,
     )  # fmt: skip
 
@@ -75,6 +80,8 @@ def parse_plans(text: str) -> list[ParallelPlan]:
 def plan_label(plan: ParallelPlan) -> str:
     """The plan written back in the command line's form."""
     label = f"{plan.dp}x{plan.pp}x{plan.tp}/mb{plan.microbatches}/{plan.schedule}"
+    if plan.stages:
+        label += "/stages" + ",".join(map(str, plan.stages))
     if plan.dp_method != "dense":
         options = ",".join(f"{k}={v}" for k, v in sorted(plan.dp_options.items()))
         label += f":{plan.dp_method}" + (f"({options})" if options else "")

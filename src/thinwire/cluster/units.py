@@ -1,4 +1,4 @@
-"""Link rates and delays as people write them: ``"100mbit"``, ``"1gbit"``, ``"50ms"``.
+"""Link rates, delays and sizes as people write them: ``"100mbit"``, ``"50ms"``, ``"8GiB"``.
 
 Used wherever a bandwidth or a latency comes from a user: the emulated cluster, the
 benchmark and the cost model.
@@ -50,3 +50,27 @@ def parse_duration(text: str | float) -> float:
     if not 0 <= value <= 10:
         raise ValueError(f"latency must be between 0 and 10 s, got {text!r}")
     return value
+
+
+_BYTE_UNITS = {
+    "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(text: str | int) -> int:
+    """Bytes from ``"8GiB"``, ``"512MiB"``, ``"2GB"`` or a number of bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = (match.group(2) or "b").lower() if match else ""
+        if not match or unit not in _BYTE_UNITS:
+            raise ValueError(
+                f"memory {text!r} is not understood; write a number and a unit, e.g. 8GiB, "
+                f"512MiB, 2GB (units: KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            )
+        value = float(match.group(1)) * _BYTE_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"memory must be > 0 bytes, got {text!r}")
+    return int(value)

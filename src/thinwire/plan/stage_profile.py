@@ -168,32 +168,35 @@ class _FakeWorld:
 
 
 @contextlib.contextmanager
-def _fake_world(
-    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int
-) -> Iterator[_FakeWorld]:
+def fake_world(source: Any, plan: Any, microbatch: int) -> Iterator[_FakeWorld]:
+    """The model of ``source`` (a :class:`~thinwire.plan.model_source.ModelSource`) under
+    ``plan``'s mesh on PyTorch's fake process group, with a micro-batch of ``microbatch``."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from thinwire.parallel.layout import read_layout
     from thinwire.parallel.loss import sharded_loss
     from thinwire.parallel.mesh import make_mesh
-    from thinwire.tasks import task
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        job = task(task_name, **task_options)
-        model = job.build_model()
+        model, (tokens, targets) = source.build()
         layout = read_layout(model)
         mesh = make_mesh(plan)
         loss = sharded_loss(None, mesh["tp"] if plan.tp > 1 else None, layout.vocab)
-        tokens, targets = job.global_batch(0)
         yield _FakeWorld(model, layout, mesh, loss, (tokens[:microbatch], targets[:microbatch]))
     finally:
         dist.destroy_process_group()
 
 
-def _stage(world: _FakeWorld, plan: Any, blocks: range, first: bool, last: bool) -> Any:
+def _source(task_name: str, task_options: dict[str, Any]) -> Any:
+    from thinwire.plan.model_source import ModelSource
+
+    return ModelSource(task_name, task_options)
+
+
+def stage_of(world: _FakeWorld, plan: Any, blocks: range, first: bool, last: bool) -> Any:
     """A stage of ``blocks``, sharded over ``"tp"`` as :func:`thinwire.parallelize` does."""
     from thinwire.parallel.stages import StageModule
     from thinwire.parallel.tensor import apply_tensor_parallel
@@ -204,7 +207,7 @@ def _stage(world: _FakeWorld, plan: Any, blocks: range, first: bool, last: bool)
     return stage
 
 
-def _in_fresh_process(fn: Any, *args: Any) -> Any:
+def in_fresh_process(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in a fresh process (spawned: a core and a process group of its own)."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
@@ -220,13 +223,13 @@ def _profile_in_fake_world(
     from thinwire.parallel.layout import submodule
     from thinwire.parallel.stages import even_boundaries, stage_ranges
 
-    with _fake_world(task_name, task_options, plan, microbatch) as world:
+    with fake_world(_source(task_name, task_options), plan, microbatch) as world:
         blocks = len(submodule(world.model, world.layout.blocks))
         ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
         return [
-            _profile_stage(
+            profile_stage(
                 index,
-                _stage(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
+                stage_of(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
                 world.loss,
                 world.batch,
                 plan,
@@ -237,10 +240,11 @@ def _profile_in_fake_world(
         ]
 
 
-def _profile_stage(
+def profile_stage(
     index: int, stage: Any, loss: Any, batch: tuple[torch.Tensor, torch.Tensor], plan: Any,
     repeats: int, optimizer: str = "adamw",
 ) -> StageProfile:  # fmt: skip
+    """``stage`` (``index``) timed on ``batch``, its memory and exchange measured."""
     tokens, targets = batch
     forwards, backwards, output, loss_log = [], [], None, _CollectiveLog()
     for _ in range(repeats + 1):
@@ -373,7 +377,7 @@ def profile_plan(
     """Every stage of ``plan``, profiled one after another in a fresh process on the fake
     process group (so that each has this machine's core to itself); ``optimizer``
     (``"adamw"`` or ``"sgd"``) is timed over each stage's shard."""
-    return _in_fresh_process(
+    return in_fresh_process(
         _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
     )
 
@@ -402,7 +406,7 @@ def profile_blocks(
     """Each distinct part of the task's model under ``plan``'s ``tp`` (and its
     data-parallel method over ``plan.dp`` for the exchange's cost), in a fresh process on
     the fake process group; any stage's cost is then a sum (:func:`compose_stage`)."""
-    return _in_fresh_process(
+    return in_fresh_process(
         _blocks_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
     )
 
@@ -411,29 +415,34 @@ def _blocks_in_fake_world(
     task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
     optimizer: str,
 ) -> BlockProfiles:  # fmt: skip
+    with fake_world(_source(task_name, task_options), plan, microbatch) as world:
+        return block_profiles(world, plan, repeats, optimizer)
+
+
+def block_profiles(world: Any, plan: Any, repeats: int, optimizer: str) -> BlockProfiles:
+    """Each distinct part of ``world``'s model under ``plan``'s ``tp``, on its micro-batch."""
     from thinwire.parallel.layout import submodule
 
-    with _fake_world(task_name, task_options, plan, microbatch) as world:
-        blocks = submodule(world.model, world.layout.blocks)
+    blocks = submodule(world.model, world.layout.blocks)
 
-        def part(kept: range, first: bool, last: bool) -> StageProfile:
-            stage = _stage(world, plan, kept, first, last)
-            return _profile_stage(0, stage, world.loss, world.batch, plan, repeats, optimizer)
+    def part(kept: range, first: bool, last: bool) -> StageProfile:
+        stage = stage_of(world, plan, kept, first, last)
+        return profile_stage(0, stage, world.loss, world.batch, plan, repeats, optimizer)
 
-        kinds: dict[tuple, StageProfile] = {}
-        per_block = []
-        for index, block in enumerate(blocks):
-            kind = (type(block).__name__, tuple(tuple(p.shape) for p in block.parameters()))
-            if kind not in kinds:
-                kinds[kind] = part(range(index, index + 1), first=False, last=False)
-            per_block.append(kinds[kind])
-        tokens = world.batch[0]
-        return BlockProfiles(
-            first=part(range(0), first=True, last=False),
-            blocks=tuple(per_block),
-            last=part(range(len(blocks), len(blocks)), first=False, last=True),
-            hidden_bytes=tokens.shape[0] * tokens.shape[1] * layout_dim(world.model) * 4,
-        )
+    kinds: dict[tuple, StageProfile] = {}
+    per_block = []
+    for index, block in enumerate(blocks):
+        kind = (type(block).__name__, tuple(tuple(p.shape) for p in block.parameters()))
+        if kind not in kinds:
+            kinds[kind] = part(range(index, index + 1), first=False, last=False)
+        per_block.append(kinds[kind])
+    tokens = world.batch[0]
+    return BlockProfiles(
+        first=part(range(0), first=True, last=False),
+        blocks=tuple(per_block),
+        last=part(range(len(blocks), len(blocks)), first=False, last=True),
+        hidden_bytes=tokens.shape[0] * tokens.shape[1] * layout_dim(world.model) * 4,
+    )
 
 
 def compose_stage(parts: BlockProfiles, blocks: range, *, first: bool, last: bool) -> Any:
@@ -450,19 +459,9 @@ def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:
     """The planner's :class:`thinwire.plan.hybrid_cost.StageCost` of one rank running the
     parts ``profiles`` one after another, sending ``activation_bytes`` on per micro-batch:
     times, collectives, bytes and the data-parallel exchange's buckets added up."""
-    from thinwire.plan.cost import MethodCost
     from thinwire.plan.hybrid_cost import StageCost
 
-    costs = [p.dp_cost for p in profiles if p.dp_cost is not None]
-    exchange = costs[0] if len(costs) == 1 else None
-    if len(costs) > 1:
-        exchange = MethodCost(
-            costs[0].method,
-            tuple(b for c in costs for b in c.buckets),
-            dense_bytes=sum(c.dense_bytes for c in costs),
-            options=costs[0].options,
-            schedule=costs[0].schedule,
-        )
+    exchange = join_method_costs([p.dp_cost for p in profiles if p.dp_cost is not None])
     return StageCost(
         forward_s=sum(p.forward.compute_s for p in profiles),
         backward_s=sum(p.backward.compute_s for p in profiles),
@@ -479,4 +478,20 @@ def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:
         optimizer_state_bytes=sum(p.optimizer_state_bytes for p in profiles),
         exchange_bytes=sum(p.exchange_bytes for p in profiles),
         saved_bytes=sum(p.saved_bytes for p in profiles),
+    )
+
+
+def join_method_costs(costs: Sequence[Any]) -> Any:
+    """One :class:`~thinwire.plan.cost.MethodCost` for parts exchanged together (their
+    buckets one after another); ``None`` for none."""
+    from thinwire.plan.cost import MethodCost
+
+    if len(costs) <= 1:
+        return costs[0] if costs else None
+    return MethodCost(
+        costs[0].method,
+        tuple(b for c in costs for b in c.buckets),
+        dense_bytes=sum(c.dense_bytes for c in costs),
+        options=costs[0].options,
+        schedule=costs[0].schedule,
     )

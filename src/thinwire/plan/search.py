@@ -1,0 +1,271 @@
+"""The planner's search: every plan of a cluster, its stages cut by dynamic programming,
+predicted on the probed links, ranked under a memory limit.
+
+The space (:func:`shapes`): degrees ``dp x pp x tp`` whose product is the world, tensor
+parallelism kept inside a host (its all-reduces run per layer: only fast links can carry
+them), no more stages than blocks; micro-batches from :attr:`SearchSpace.microbatches`
+that split the global batch evenly; GPipe, and 1F1B where it applies (``m >= pp``); the
+data-parallel method among :attr:`SearchSpace.methods` (only dense without data
+parallelism). For each, :func:`thinwire.plan.split.best_split` cuts the stages (Alpa's
+objective, every stage within the limit), :func:`thinwire.plan.hybrid_cost.predict_plan`
+predicts the step and the memory of every rank. Plans that fit are ranked by predicted
+step; those that do not, by how far over they are.
+
+Everything here is arithmetic on profiles (:class:`thinwire.plan.model_costs.ModelCosts`)
+and a probe: no process is started and nothing is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from thinwire.bench.plans import plan_label
+from thinwire.parallel.plan import ParallelPlan
+from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, PlanPrediction, StageCost, predict_plan
+from thinwire.plan.model_costs import Method, ModelCosts
+from thinwire.plan.probe import LinkProbe
+from thinwire.plan.split import PartCost, Split, best_split
+
+#: the data-parallel methods searched by default
+DEFAULT_METHODS: tuple[Method, ...] = (
+    ("dense", {}),
+    ("powersgd", {"rank": 4}),
+    ("dgc", {"density": 0.01}),
+)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose besides the degrees."""
+
+    microbatches: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    methods: tuple[Method, ...] = DEFAULT_METHODS
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A plan before its stages are cut."""
+
+    dp: int
+    pp: int
+    tp: int
+    microbatches: int
+    schedule: str
+    method: Method
+
+    def microbatch_size(self, batch: int) -> int:
+        """Sequences per micro-batch when each data-parallel rank takes its slice."""
+        return batch // (self.dp * self.microbatches)
+
+    def plan(self, stages: tuple[int, ...] | None = None) -> ParallelPlan:
+        """The :class:`ParallelPlan` of this shape with ``stages`` cut there."""
+        name, options = self.method
+        return ParallelPlan(
+            dp=self.dp, pp=self.pp, tp=self.tp, microbatches=self.microbatches,
+            schedule=self.schedule, stages=stages or None, dp_method=name,
+            dp_options=dict(options),
+        )  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shapes(
+    world: int, ranks_per_host: int, blocks: int, batch: int, space: SearchSpace = SearchSpace()
+) -> tuple[list[Shape], list[tuple[str, str]]]:
+    """Every shape of the space on ``world`` ranks, and the ``(plan, reason)`` of each
+    combination of degrees and micro-batches left out."""
+    kept, refused = [], []
+    for tp in _divisors(ranks_per_host):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            degrees = f"{dp}x{pp}x{tp}"
+            if pp > blocks:
+                refused.append((degrees, f"{pp} stages but only {blocks} blocks"))
+                continue
+            for m in space.microbatches:
+                if batch % (dp * m):
+                    refused.append(
+                        (f"{degrees}/mb{m}", f"batch {batch} does not split into {dp} x {m}")
+                    )
+                    continue
+                schedules = ["1f1b"] if pp == 1 else space.schedules
+                for schedule in schedules:
+                    if schedule == "1f1b" and pp > 1 and m < pp:
+                        continue  # 1F1B with fewer micro-batches than stages is GPipe
+                    for method in space.methods if dp > 1 else [("dense", {})]:
+                        kept.append(Shape(dp, pp, tp, m, schedule, method))
+    return kept, refused
+
+
+def needs(
+    found: Iterable[Shape], batch: int
+) -> dict[int, tuple[list[int], list[tuple[int, Method]]]]:
+    """Per ``tp``, the micro-batch sizes and ``(dp, method)`` exchanges to profile."""
+    sizes: dict[int, set[int]] = {}
+    exchanges: dict[int, dict[tuple, tuple[int, Method]]] = {}
+    for shape in found:
+        sizes.setdefault(shape.tp, set()).add(shape.microbatch_size(batch))
+        wanted = exchanges.setdefault(shape.tp, {})
+        if shape.dp > 1:
+            name, options = shape.method
+            wanted[(shape.dp, name, tuple(sorted(options.items())))] = (shape.dp, shape.method)
+    return {tp: (sorted(sizes[tp]), list(exchanges[tp].values())) for tp in sizes}
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A plan and what the planner predicts of it."""
+
+    plan: ParallelPlan
+    prediction: PlanPrediction
+    over_bytes: int
+    """How far the fullest rank is over the memory limit (``<= 0``: it fits)."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether every rank fits in the limit."""
+        return self.over_bytes <= 0
+
+    @property
+    def label(self) -> str:
+        """The plan as ``thinwire bench --plans`` writes it."""
+        return plan_label(self.plan)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A shape with its stages cut and costed: predicted again on other links at once."""
+
+    plan: ParallelPlan
+    stages: tuple[StageCost, ...]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The search's answer: plans that fit (fastest first), plans over the memory limit
+    (least over first), combinations left out with why, and the search's own time."""
+
+    ranked: tuple[Evaluated, ...]
+    too_large: tuple[Evaluated, ...]
+    refused: tuple[tuple[str, str], ...]
+    prepared: tuple[Prepared, ...]
+    memory_limit: int | None
+    seconds: float
+
+    @property
+    def chosen(self) -> Evaluated:
+        """The fastest plan that fits."""
+        if not self.ranked:
+            least = self.too_large[0] if self.too_large else None
+            extra = (
+                f"; the smallest, {least.label}, needs {_gib(least.prediction.peak_memory_bytes)}"
+                if least
+                else ""
+            )
+            raise ValueError(
+                f"no plan fits in {_gib(self.memory_limit or 0)} per rank{extra}: raise the "
+                "memory limit, add ranks, or train with smaller micro-batches"
+            )
+        return self.ranked[0]
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _part_costs(
+    costs: ModelCosts, shape: Shape, links: PlanOnLinks
+) -> tuple[PartCost, list[PartCost], PartCost]:
+    """The embedding, each block and the head as the split sees them."""
+    mb = shape.microbatch_size(costs.batch_size)
+
+    def part(blocks: range, first: bool = False, last: bool = False) -> PartCost:
+        stage = costs.stage(shape.tp, mb, shape.dp, shape.method, blocks, first=first, last=last)
+        collectives = (*stage.forward_allreduces, *stage.backward_allreduces)
+        seconds = stage.forward_s + stage.backward_s
+        seconds += sum(links.tp_allreduce_s(b) for b in collectives)
+        return PartCost(seconds, stage.memory(0)["total"], stage.saved_bytes)
+
+    first = part(range(0), first=True)
+    blocks = [part(range(i, i + 1)) for i in range(costs.blocks)]
+    return first, blocks, part(range(costs.blocks, costs.blocks), last=True)
+
+
+def prepare(
+    costs: ModelCosts, shape: Shape, probe: LinkProbe, memory_limit: int | None
+) -> Prepared:
+    """``shape`` with its stages cut (the best split within ``memory_limit``, or the
+    fastest if none fits) and each stage's cost."""
+    degrees = Degrees(shape.dp, shape.pp, shape.tp, shape.microbatches, shape.schedule)
+    links = PlanOnLinks(degrees, probe)
+    first, blocks, last = _part_costs(costs, shape, links)
+    split: Split | None = best_split(
+        first, blocks, last, shape.pp, shape.schedule, shape.microbatches, memory_limit
+    )
+    if split is None:
+        split = best_split(first, blocks, last, shape.pp, shape.schedule, shape.microbatches)
+    assert split is not None
+    edges = [0, *split.boundaries, costs.blocks]
+    mb = shape.microbatch_size(costs.batch_size)
+    ranges = [range(edges[s], edges[s + 1]) for s in range(shape.pp)]
+    stages = tuple(
+        costs.stage(
+            shape.tp, mb, shape.dp, shape.method, kept, first=s == 0, last=s == shape.pp - 1
+        )
+        for s, kept in enumerate(ranges)
+    )
+    return Prepared(shape.plan(split.boundaries), stages)
+
+
+def evaluate(prepared: Prepared, probe: LinkProbe, memory_limit: int | None) -> Evaluated:
+    """The prediction of a prepared plan on ``probe``'s links."""
+    plan = prepared.plan
+    degrees = Degrees(plan.dp, plan.pp, plan.tp, plan.microbatches, plan.schedule)
+    prediction = predict_plan(degrees, prepared.stages, probe)
+    over = 0 if memory_limit is None else prediction.peak_memory_bytes - memory_limit
+    return Evaluated(plan, prediction, over)
+
+
+def rank(
+    prepared: Iterable[Prepared], probe: LinkProbe, memory_limit: int | None
+) -> tuple[list[Evaluated], list[Evaluated]]:
+    """Every prepared plan predicted: those that fit, fastest first; the others, least
+    over the limit first."""
+    evaluated = [evaluate(p, probe, memory_limit) for p in prepared]
+    fitting = sorted((e for e in evaluated if e.fits), key=lambda e: e.prediction.step_s)
+    over = sorted((e for e in evaluated if not e.fits), key=lambda e: e.over_bytes)
+    return fitting, over
+
+
+def search(
+    costs: ModelCosts,
+    probe: LinkProbe,
+    memory_limit: int | None = None,
+    space: SearchSpace = SearchSpace(),
+) -> SearchResult:
+    """Every plan of the probed cluster for the profiled model, ranked."""
+    start = time.perf_counter()
+    world = probe.hosts * probe.ranks_per_host
+    found, refused = shapes(world, probe.ranks_per_host, costs.blocks, costs.batch_size, space)
+    usable = []
+    for shape in found:
+        if shape.tp in costs.refused:
+            refused.append((f"tp={shape.tp}", costs.refused[shape.tp]))
+        else:
+            usable.append(shape)
+    refused = list(dict.fromkeys(refused))
+    prepared = [prepare(costs, shape, probe, memory_limit) for shape in usable]
+    fitting, over = rank(prepared, probe, memory_limit)
+    return SearchResult(
+        tuple(fitting),
+        tuple(over),
+        tuple(refused),
+        tuple(prepared),
+        memory_limit,
+        time.perf_counter() - start,
+    )
