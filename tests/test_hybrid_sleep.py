@@ -12,10 +12,10 @@ import torch
 
 from thinwire.bench.hybrid import HybridConfig
 from thinwire.bench.hybrid_predict import predict_sweep
-from thinwire.bench.plans import parse_plan
 from thinwire.bench.traffic import Traffic, parse_ss, sent_now
 from thinwire.cli import main
 from thinwire.cluster import check_can_emulate
+from thinwire.parallel.plan_spec import parse_plan
 from thinwire.plan.plan_traffic import PlanSizes, coordinates, plan_traffic, rank_at
 from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
 

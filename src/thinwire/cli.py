@@ -115,7 +115,9 @@ def _plan(args: argparse.Namespace) -> int:
         from thinwire.plan.hybrid_command import run_from_args
 
         return run_from_args(args)
-    missing = [f"--{n}" for n in ("task", "workers", "bandwidth") if not getattr(args, n)]
+    missing = [
+        f"--{n}" for n in ("task", "workers", "bandwidth") if getattr(args, n) in ("", None)
+    ]
     if missing:
         print(
             f"thinwire plan: error: {', '.join(missing)} missing: plan data parallelism with "
@@ -180,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict step time per method (--task), or choose a hybrid plan (--model)",
     )
     plan.add_argument("--task", default="", help="task name, e.g. digits, fashion, text")
-    plan.add_argument("--workers", type=int, default=0, help="data-parallel workers")
+    plan.add_argument("--workers", type=int, default=None, help="data-parallel workers")
     plan.add_argument("--bandwidth", default="", help="per-worker link, e.g. 100mbit")
     plan.add_argument("--latency", default="0", help="one-way latency, e.g. 1ms (default 0)")
     plan.add_argument("--methods", default="", help="comma-separated methods (default: a mix)")

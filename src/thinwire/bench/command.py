@@ -236,7 +236,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
     """``thinwire bench --plans``: train hybrid-parallel plans side by side (real compute)."""
     from thinwire.bench.hybrid import HybridConfig, plot_losses, run_hybrid
-    from thinwire.bench.plans import parse_plans
+    from thinwire.parallel.plan_spec import parse_plans
 
     try:
         config = HybridConfig(

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from thinwire.bench.plans import plan_label
 from thinwire.cluster import EmulatedCluster
 from thinwire.compress import compressor
 from thinwire.launch import LocalPool, Placement
 from thinwire.parallel import ParallelPlan, ParallelTrainer, parallelize
+from thinwire.parallel.plan_spec import plan_label
 from thinwire.plan.activations import SavedActivations
 from thinwire.plan.memory import MemoryEstimate, held_bytes
 from thinwire.tasks import task

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from thinwire.bench.plans import parse_plan
+from thinwire.parallel.plan_spec import parse_plan
 from thinwire.plan.hybrid_cost import Degrees, StageCost, predict_plan
 from thinwire.plan.probe import LinkProbe
 from thinwire.plan.stage_profile import StageProfile, cost_of, profile_plan

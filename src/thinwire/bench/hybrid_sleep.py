@@ -110,7 +110,7 @@ def sleeping_record(
 ) -> dict:
     """The plan's record from every rank's: step time, tokens per second, bytes per rank
     measured and modelled, memory per rank, the profiled compute."""
-    from thinwire.bench.plans import plan_label
+    from thinwire.parallel.plan_spec import plan_label
 
     job = task(config.task, **config.task_options)
     tokens = job.batch_size * job.seq_len

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from thinwire.bench.plans import _options
 from thinwire.cluster.units import parse_bytes, parse_duration, parse_rate
+from thinwire.parallel.plan_spec import parse_options
 from thinwire.plan.model_costs import Method, ModelCosts
 from thinwire.plan.model_source import ModelSource
 from thinwire.plan.nominal_links import nominal_probe
@@ -59,7 +59,7 @@ def parse_methods(text: str) -> tuple[Method, ...]:
         name, _, rest = item.partition("(")
         if rest and not rest.endswith(")"):
             raise ValueError(f"--dp-methods: {item!r} is not NAME or NAME(key=value,...)")
-        methods.append((name.strip(), _options(rest[:-1], item) if rest else {}))
+        methods.append((name.strip(), parse_options(rest[:-1], item) if rest else {}))
     if not methods:
         raise ValueError("--dp-methods names no method; e.g. 'dense;powersgd(rank=4)'")
     from thinwire.parallel.plan import ParallelPlan

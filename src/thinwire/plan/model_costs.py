@@ -170,21 +170,33 @@ def profile_model(
     from thinwire.plan.stage_profile import in_fresh_process
 
     merged: ModelCosts | None = None
+    keys: dict[int, str] = {}
+    missing: list[tuple[int, list[int], list[tuple[int, Method]]]] = []
+    missing_costs: dict[int, ModelCosts] = {}
     for tp in sorted(needs):
         sizes = sorted(set(needs[tp][0]))
         exchanges = sorted({(dp, method_label(m)): (dp, m) for dp, m in needs[tp][1]}.items())
         wanted = [pair for _, pair in exchanges]
-        key = json.dumps(
+        keys[tp] = json.dumps(
             [source.name, dict(source.options), source.batch_size, source.seq_len, tp, sizes,
              [(dp, method_label(m)) for dp, m in wanted], repeats, optimizer, _FORMAT],
             sort_keys=True, default=str,
         )  # fmt: skip
-        costs = _cached(cache, key)
-        if costs is None:
+        if _cached(cache, keys[tp]) is None:
+            missing.append((tp, sizes, wanted))
             if log is not None:
                 log(f"profiling tp={tp}: micro-batches of {sizes}, {len(wanted)} exchanges")
-            costs = in_fresh_process(_profile_tp, source, tp, sizes, wanted, repeats, optimizer)
-            _store(cache, key, costs)
+    if missing:  # one fresh process for all of them (a core to itself)
+        for (tp, _, _), costs in zip(
+            missing,
+            in_fresh_process(_profile_many, source, missing, repeats, optimizer),
+            strict=True,
+        ):
+            _store(cache, keys[tp], costs)
+            missing_costs[tp] = costs
+    for tp in sorted(needs):
+        costs = missing_costs.get(tp) or _cached(cache, keys[tp])
+        assert costs is not None
         if merged is None:
             merged = costs
         else:
@@ -192,6 +204,14 @@ def profile_model(
     if merged is None:
         raise ValueError("nothing to profile: no tensor-parallel degree was asked for")
     return merged
+
+
+def _profile_many(
+    source: ModelSource, wanted: Sequence[tuple[int, Sequence[int], Sequence[tuple[int, Method]]]],
+    repeats: int, optimizer: str,
+) -> list[ModelCosts]:  # fmt: skip
+    """:func:`_profile_tp` for each ``(tp, sizes, exchanges)``, one after another."""
+    return [_profile_tp(source, tp, sizes, ex, repeats, optimizer) for tp, sizes, ex in wanted]
 
 
 #: bump when what a profile holds changes (older caches are profiled again)

@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from thinwire.bench.plans import plan_label
 from thinwire.parallel.plan import ParallelPlan
+from thinwire.parallel.plan_spec import plan_label
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, PlanPrediction, StageCost, predict_plan
 from thinwire.plan.model_costs import Method, ModelCosts
 from thinwire.plan.probe import LinkProbe

@@ -15,8 +15,7 @@ from __future__ import annotations
 import ast
 import re
 
-from thinwire.parallel import ParallelPlan
-from thinwire.parallel.plan import SCHEDULES
+from thinwire.parallel.plan import SCHEDULES, ParallelPlan
 
 _PLAN = re.compile(
     r"^(?P<dp>\d+)x(?P<pp>\d+)x(?P<tp>\d+)"
@@ -25,7 +24,8 @@ _PLAN = re.compile(
 )
 
 
-def _options(text: str, spec: str) -> dict:
+def parse_options(text: str, spec: str) -> dict:
+    """``key=value,...`` of plan ``spec``, values read as Python literals (else strings)."""
     options = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -62,7 +62,7 @@ def parse_plan(spec: str) -> ParallelPlan:
                 f"({', '.join(SCHEDULES)}) nor stagesB,... (where stages start)"
             )
     method = match["method"] or "dense"
-    options = _options(match["options"] or "", spec)
+    options = parse_options(match["options"] or "", spec)
     return ParallelPlan(
         dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule, stages=stages,
         dp_method=method, dp_options=options,

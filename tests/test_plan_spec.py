@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from thinwire.bench.plans import parse_plan, parse_plans, plan_label
 from thinwire.cli import main
 from thinwire.cluster import check_can_emulate
+from thinwire.parallel.plan_spec import parse_plan, parse_plans, plan_label
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,0 +1,218 @@
+"""The planner's search: stage splits against brute force, the space of plans, ranking under
+a memory limit, the bandwidth where the choice changes, and ``thinwire plan --model``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from thinwire.cli import main
+from thinwire.cluster.units import parse_bytes
+from thinwire.parallel.plan_spec import parse_plan, plan_label
+from thinwire.plan.explain import choice_changes, explain_json, explain_text
+from thinwire.plan.hybrid_command import parse_methods, plan_for
+from thinwire.plan.model_source import ModelSource
+from thinwire.plan.nominal_links import between_hosts_bps, nominal_probe, scale_between_hosts
+from thinwire.plan.search import SearchSpace, rank, search, shapes
+from thinwire.plan.split import PartCost, best_split, in_flight, split_cost
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = {"dim": 32, "layers": 4, "heads": 4, "seq_len": 16, "batch_size": 8, "vocab": 256}
+SPACE = SearchSpace(microbatches=(1, 2, 4), methods=(("dense", {}), ("powersgd", {"rank": 2})))
+
+
+def _brute_force(first, blocks, last, stages, schedule, m, limit):
+    best = None
+    for cuts in itertools.combinations(range(1, len(blocks)), stages - 1):
+        split = split_cost(first, blocks, last, cuts, schedule, m)
+        if limit is not None and max(split.stage_bytes) > limit:
+            continue
+        if best is None or max(split.stage_s) < max(best.stage_s) - 1e-12:
+            best = split
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_split_matches_brute_force_under_memory_limits(seed):
+    rng = random.Random(seed)
+    blocks = [PartCost(rng.uniform(1, 5), rng.randint(10, 50), rng.randint(1, 9)) for _ in range(9)]
+    first, last = PartCost(rng.uniform(0, 3), 40, 2), PartCost(rng.uniform(0, 6), 60, 20)
+    for stages, schedule, m in itertools.product((2, 3, 4), ("gpipe", "1f1b"), (1, 4)):
+        unlimited = _brute_force(first, blocks, last, stages, schedule, m, None)
+        limit = int(max(unlimited.stage_bytes) * rng.uniform(0.6, 1.0))
+        for cap in (None, limit):
+            found = best_split(first, blocks, last, stages, schedule, m, cap)
+            expected = _brute_force(first, blocks, last, stages, schedule, m, cap)
+            if expected is None:
+                assert found is None
+                continue
+            assert found is not None
+            assert max(found.stage_s) == pytest.approx(max(expected.stage_s))
+            assert cap is None or max(found.stage_bytes) <= cap
+            assert found.objective_s == pytest.approx(
+                sum(found.stage_s) + (m - 1) * max(found.stage_s)
+            )
+
+
+def test_split_refuses_more_stages_than_blocks_and_counts_in_flight():
+    part = PartCost(1.0)
+    with pytest.raises(ValueError, match="cannot cut 2 blocks into 3 stages"):
+        best_split(part, [part, part], part, 3, "1f1b", 4)
+    assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8] * 4
+    tight = best_split(part, [PartCost(1.0, 10, 5)] * 4, part, 2, "gpipe", 4, memory_limit=10)
+    assert tight is None
+
+
+def test_shapes_keep_tensor_parallel_inside_a_host_and_list_what_is_left_out():
+    found, refused = shapes(8, 4, blocks=4, batch=16, space=SPACE)
+    assert {s.tp for s in found} == {1, 2, 4}
+    assert all(s.dp * s.pp * s.tp == 8 for s in found)
+    assert all(s.method == ("dense", {}) for s in found if s.dp == 1)
+    assert all(s.microbatches >= s.pp for s in found if s.schedule == "1f1b" and s.pp > 1)
+    assert all(s.schedule == "1f1b" for s in found if s.pp == 1)
+    assert ("1x8x1", "8 stages but only 4 blocks") in refused
+    assert any(label == "8x1x1/mb4" and "does not split" in why for label, why in refused)
+    labels = {plan_label(s.plan()) for s in found}
+    assert len(labels) == len(found)
+
+
+def test_plans_carry_their_stage_boundaries_on_the_command_line():
+    plan = parse_plan("1x4x2/mb8/stages2,4,7:powersgd(rank=4)")
+    assert plan.stages == (2, 4, 7)
+    assert plan_label(parse_plan(plan_label(plan))) == plan_label(plan)
+    with pytest.raises(ValueError, match="stagesB"):
+        parse_plan("2x2x1/stages")
+
+
+def test_memory_sizes_and_methods_as_people_write_them():
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2_000_000_000
+    with pytest.raises(ValueError, match="not understood"):
+        parse_bytes("lots")
+    assert parse_methods("dense; powersgd(rank=4)") == (("dense", {}), ("powersgd", {"rank": 4}))
+    with pytest.raises(ValueError):
+        parse_methods("powersgd(rnak=4)")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny GPT planned on 2 hosts x 2 ranks at 10 Mbit/s (profiled once per module)."""
+    probe = nominal_probe(2, 2, 10e6, 1e-3)
+    cache = tmp_path_factory.mktemp("profiles")
+    result, costs = plan_for(ModelSource("gpt", TINY), probe, None, SPACE, repeats=1, cache=cache)
+    return probe, result, costs, cache
+
+
+def test_search_ranks_every_plan_and_the_memory_limit_rejects_those_over_it(tiny):
+    probe, result, costs, _ = tiny
+    steps = [e.prediction.step_s for e in result.ranked]
+    assert steps == sorted(steps) and not result.too_large
+    assert len(result.ranked) == len(result.prepared)
+    for evaluated in result.ranked:
+        stages = evaluated.plan.stages or ()
+        assert len(stages) == evaluated.plan.pp - 1
+        assert evaluated.prediction.peak_memory_bytes > 0
+    peaks = sorted(e.prediction.peak_memory_bytes for e in result.ranked)
+    limit = peaks[len(peaks) // 2]
+    fitting, over = rank(result.prepared, probe, limit)
+    assert fitting and over
+    assert all(e.prediction.peak_memory_bytes <= limit for e in fitting)
+    assert all(e.prediction.peak_memory_bytes > limit and e.over_bytes > 0 for e in over)
+    limited = search(costs, probe, limit, SPACE)
+    assert limited.chosen.prediction.peak_memory_bytes <= limit
+    assert limited.chosen.prediction.step_s >= result.chosen.prediction.step_s
+    with pytest.raises(ValueError, match="no plan fits"):
+        _ = search(costs, probe, peaks[0] // 2, SPACE).chosen
+
+
+def test_the_reported_bandwidth_is_where_another_plan_starts_winning(tiny):
+    probe, result, _, _ = tiny
+    changes = choice_changes(result, probe)
+    base = between_hosts_bps(probe)
+    assert any(changes.values())
+    for change in changes.values():
+        if change is None:
+            continue
+        factor = change["bandwidth_bps"] / base
+        fitting, _ = rank(result.prepared, scale_between_hosts(probe, factor), None)
+        assert fitting[0].label == change["plan"] != result.chosen.label
+        toward = factor ** (1 - 2**-4)  # a little back toward the probed links
+        fitting, _ = rank(result.prepared, scale_between_hosts(probe, toward), None)
+        assert fitting[0].label == result.chosen.label
+
+
+def test_explanations_name_the_choice_its_breakdown_and_the_rejections(tiny):
+    probe, result, costs, _ = tiny
+    changes = choice_changes(result, probe)
+    text = explain_text(result, costs, probe, "nominal", changes, top=3)
+    assert f"chosen: {result.chosen.label}" in text
+    assert "predicted step" in text and "peak memory per rank" in text
+    assert f"2. {result.ranked[1].label}" in text
+    data = json.loads(json.dumps(explain_json(result, costs, probe, "nominal", changes)))
+    assert data["chosen"] == result.chosen.label == data["ranked"][0]["plan"]
+    assert data["ranked"][1]["margin"] > 0 or data["ranked"][1]["margin"] == pytest.approx(0)
+
+
+def _plan(capsys, *args):
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
+def test_thinwire_plan_command_line_explains_and_writes_json(tiny, tmp_path, capsys):
+    _, _, _, cache = tiny
+    out = tmp_path / "plan.json"
+    done = _plan(
+        capsys,
+        "--model", "gpt", "--model-options", json.dumps(TINY), "--hosts", "2",
+        "--ranks-per-host", "2", "--bandwidth", "10mbit", "--latency", "1ms",
+        "--memory", "64MiB", "--microbatches", "1,2,4", "--dp-methods",
+        "dense;powersgd(rank=2)", "--repeats", "1", "--cache", str(cache), "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert f"chosen: {data['chosen']}" in done.stdout
+    assert data["memory_limit"] == 64 * 2**20
+    assert all(row["prediction"]["peak_memory_bytes"] <= 64 * 2**20 for row in data["ranked"])
+
+
+def test_thinwire_plan_says_what_is_missing_or_unreadable(tmp_path, capsys):
+    done = _plan(capsys, "--model", "gpt")
+    assert done.returncode == 2 and "--probe FILE" in done.stderr
+    done = _plan(
+        capsys,
+        "--model", "torch.nn:Identity", "--hosts", "1", "--ranks-per-host", "2",
+        "--bandwidth", "1gbit", "--batch-size", "4", "--seq-len", "8",
+    )  # fmt: skip
+    assert done.returncode == 2 and "cannot find the blocks of Identity" in done.stderr
+    done = _plan(capsys, "--model", "no_such_module:build", "--probe", str(tmp_path / "none.json"))
+    assert done.returncode == 2 and "is not a link probe" in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["llama", "huggingface"])
+def test_llama_and_hugging_face_models_are_planned_the_same_way(kind, tmp_path):
+    if kind == "llama":
+        source = ModelSource("gpt", {**TINY, "style": "llama"})
+    else:
+        pytest.importorskip("transformers")
+        source = ModelSource(
+            "thinwire.integrations.hf_config:from_config",
+            {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+             "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 64},
+            batch_size=4, seq_len=16,
+        )  # fmt: skip
+    space = SearchSpace(microbatches=(2,), methods=(("dense", {}),))
+    result, costs = plan_for(source, nominal_probe(1, 2, 1e9), None, space, repeats=1)
+    labels = {e.label for e in result.ranked}
+    assert {"2x1x1/mb2/1f1b", "1x1x2/mb2/1f1b"} <= labels
+    assert any(e.plan.pp == 2 for e in result.ranked)
+    assert costs.parameters > 0 and result.chosen.prediction.step_s > 0
