@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "src" / "thinwire"
 
 #: what ``import thinwire`` (the public API) brings in
-PUBLIC_API = {"comm", "compress", "data_parallel", "errors", "parallel"}
+PUBLIC_API = {"auto", "comm", "compress", "data_parallel", "errors", "parallel"}
 _TRANSPORT = {"comm", "compress", "errors"}
 _LIBRARY = _TRANSPORT | {"data_parallel", "parallel", "integrations", "strategies"}
 
@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": _TRANSPORT | {"data_parallel"},
     "tasks": PUBLIC_API,  # digits_training: a loop on the public API
     "cluster": {"errors"},
+    "auto": _LIBRARY | {"tasks", "cluster", "launch", "plan"},
     "launch": {"cluster", "errors"},
     "plan": _LIBRARY | {"tasks", "cluster", "launch"},
     "bench": _LIBRARY | {"tasks", "cluster", "launch", "plan"},

@@ -68,3 +68,26 @@ def test_the_hybrid_quick_start_runs_under_torchrun(tmp_path) -> None:
     perplexity = float(re.search(r"held-out perplexity ([\d.]+) after 40 steps", done.stdout)[1])
     assert perplexity < 512 / 2, done.stdout  # uniform over the vocabulary would be 512
     assert (tmp_path / "quickstart-hybrid-ckpt" / ".metadata").exists()
+
+
+def test_the_readme_shows_the_auto_quick_start_file_as_it_is() -> None:
+    text = (EXAMPLES / "quickstart_auto.py").read_text()
+    code = text[text.index("import logging") :]
+    assert code in _readme_blocks()
+
+
+@pytest.mark.timeout(300)
+def test_the_auto_quick_start_plans_runs_and_hands_back_its_plan(tmp_path) -> None:
+    from thinwire.parallel.plan_spec import parse_plan
+
+    script = EXAMPLES / "quickstart_auto.py"
+    done = _torchrun(script, tmp_path, nproc=4, timeout=280, THINWIRE_CACHE=str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "thinwire plan: " in done.stderr and "plans searched" in done.stderr, done.stderr
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([\d.]+)", done.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, done.stdout
+    spec = re.search(r"^plan (\S+)$", done.stdout, flags=re.M)[1]
+    plan = parse_plan(spec)
+    assert plan.world_size == 4 and plan.spec() == spec
+    logged = re.search(r"thinwire plan: (\S+), predicted", done.stderr)[1]
+    assert logged == spec

@@ -216,3 +216,43 @@ def test_llama_and_hugging_face_models_are_planned_the_same_way(kind, tmp_path):
     assert {"2x1x1/mb2/1f1b", "1x1x2/mb2/1f1b"} <= labels
     assert any(e.plan.pp == 2 for e in result.ranked)
     assert costs.parameters > 0 and result.chosen.prediction.step_s > 0
+
+
+def _bench_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
+    plan_check = _bench_script("plan_check")
+
+    def row(plan, step, peak):
+        return {"plan": plan, "prediction": {"step_s": step, "peak_memory_bytes": peak}}
+
+    ranked = [row("4x2x1/mb8/gpipe", 2.0, 100), row("8x1x1/mb1/1f1b:dgc(d=1)", 3.0, 200)]
+    planned = {"ranked": [*ranked, row("8x1x1/mb1/1f1b", 9.0, 300)]}
+    records = [
+        {"plan": "8x1x1/mb1/1f1b", "step_s": 10.0, "peak_memory_bytes": 300},
+        {"plan": "8x1x1/mb1/1f1b:dgc(d=1,warmup_steps=0)", "step_s": 2.2, "peak_memory_bytes": 250},
+        {"plan": "4x2x1/mb8/gpipe", "step_s": 2.5, "peak_memory_bytes": 100},
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps(planned))
+    (tmp_path / "results.json").write_text(json.dumps({"records": records}))
+    summary = plan_check.check(tmp_path / "plan.json", tmp_path / "results.json", 220)
+    assert [r["place"] for r in summary["rows"]] == [1, 2, 3]
+    assert summary["chosen"] == "4x2x1/mb8/gpipe"
+    assert summary["best_measured"] == "8x1x1/mb1/1f1b:dgc(d=1)"
+    assert summary["chosen_over_best"] == pytest.approx(2.5 / 2.2 - 1)
+    assert summary["median_abs_error"] == pytest.approx(0.2)  # of 0.2, 0.36 and 0.1
+    assert summary["spearman"] == pytest.approx(0.5)
+    assert summary["max_abs_peak_error"] == pytest.approx(0.2)
+    assert "chosen 4x2x1/mb8/gpipe" in plan_check.markdown(summary)
+    limit = summary["memory_limit"]
+    assert limit["said_to_fit"] == ["4x2x1/mb8/gpipe", "8x1x1/mb1/1f1b:dgc(d=1)"]
+    assert limit["wrong"] == ["8x1x1/mb1/1f1b:dgc(d=1)"]  # 200 said, 250 measured

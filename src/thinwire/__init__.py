@@ -6,8 +6,10 @@ engine = thinwire.register(ddp_model, "dgc", density=0.001)   # DDP hook
 opt = thinwire.DistributedOptimizer(torch.optim.SGD(...), model, "powersgd", rank=2)
 ddp = DistributedDataParallel(model, bucket_cap_mb_list=thinwire.tapered_buckets(model))
 trainer = thinwire.parallelize(model, thinwire.ParallelPlan(dp=2, pp=2, tp=2), optimizer=...)
+trainer = thinwire.parallelize(model, "auto", optimizer=..., example_inputs=(tokens, targets))
 """
 
+from thinwire.auto import auto_plan, parallelize
 from thinwire.comm import GradientExchange, StepStats
 from thinwire.compress import Compressor, compressor, compressors, register_compressor
 from thinwire.data_parallel import (
@@ -24,7 +26,7 @@ from thinwire.errors import (
     RankMismatchError,
     ThinwireError,
 )
-from thinwire.parallel import ModelLayout, ParallelPlan, ParallelTrainer, parallelize
+from thinwire.parallel import ModelLayout, ParallelPlan, ParallelTrainer
 
 __all__ = [
     "CommunicationError",
@@ -41,6 +43,7 @@ __all__ = [
     "RankMismatchError",
     "StepStats",
     "ThinwireError",
+    "auto_plan",
     "compressor",
     "compressors",
     "parallelize",

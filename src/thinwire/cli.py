@@ -115,9 +115,7 @@ def _plan(args: argparse.Namespace) -> int:
         from thinwire.plan.hybrid_command import run_from_args
 
         return run_from_args(args)
-    missing = [
-        f"--{n}" for n in ("task", "workers", "bandwidth") if getattr(args, n) in ("", None)
-    ]
+    missing = [f"--{n}" for n in ("task", "workers", "bandwidth") if getattr(args, n) in ("", None)]
     if missing:
         print(
             f"thinwire plan: error: {', '.join(missing)} missing: plan data parallelism with "

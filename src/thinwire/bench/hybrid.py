@@ -179,7 +179,7 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
         pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))
         for plan in config.plans:
             if config.compute == "sleep":
-                record = _time_on_sleeping_ranks(pool, config, plan, report)
+                record = time_on_sleeping_ranks(pool, config, plan, report)
             else:
                 record = _train(pool, config, plan, report)
             records.append(record)
@@ -202,9 +202,10 @@ def _train(pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: An
     return record
 
 
-def _time_on_sleeping_ranks(
+def time_on_sleeping_ranks(
     pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: Any
 ) -> dict:
+    """Profile ``plan``'s stages, then time it on ``pool``'s ranks as virtual accelerators."""
     from thinwire.bench.hybrid_sleep import profile, sleeping_record, time_plan
 
     report(f"profiling {plan_label(plan)}'s stages, then {config.steps} sleeping steps")

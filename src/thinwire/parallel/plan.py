@@ -143,6 +143,13 @@ class ParallelPlan:
                 f"use a batch that is a multiple of {parts}"
             )
 
+    def spec(self) -> str:
+        """The plan as one line that ``thinwire.parallelize(model, spec)``, ``thinwire bench
+        --plans`` and ``thinwire plan`` read and write: ``4x2x1/mb8/1f1b/stages4``."""
+        from thinwire.parallel.plan_spec import plan_label
+
+        return plan_label(self)
+
     def describe(self) -> str:
         """The plan as one canonical line (ranks compare it to agree on the plan)."""
         return json.dumps(asdict(self), sort_keys=True, default=str)

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--schedules", default="gpipe,1f1b", help="pipeline schedules to try")
     group.add_argument(
         "--dp-methods",
-        default="dense;powersgd(rank=4);dgc(density=0.01)",
+        default="dense;powersgd(rank=4);dgc(density=0.01,momentum=0.0)",
         help="data-parallel methods to try, ';'-separated",
     )
     group.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
@@ -138,8 +138,11 @@ def _blocks(source: ModelSource) -> int:
 
     from thinwire.parallel.layout import read_layout, submodule
 
-    with torch.device("meta"):
+    if source.live is not None:  # already built: unpickled as it is
         model = source.build_model()
+    else:
+        with torch.device("meta"):
+            model = source.build_model()
     return len(submodule(model, read_layout(model).blocks))
 
 

@@ -23,10 +23,16 @@ from typing import Any
 
 import torch
 
-from thinwire.plan.cost import MethodCost
+from thinwire.data_parallel.buckets import MB
+from thinwire.plan.cost import BucketCost, MethodCost
 from thinwire.plan.hybrid_cost import StageCost
 from thinwire.plan.model_source import ModelSource
-from thinwire.plan.stage_profile import BlockProfiles, compose_stage, join_method_costs
+from thinwire.plan.network import Collective
+from thinwire.plan.profile_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB
+from thinwire.plan.stage_profile import BlockProfiles, compose_stage
+
+#: a bucket size no part reaches: each part's exchange is measured as one bucket
+ONE_BUCKET_MB = 1e6
 
 #: what a data-parallel method is in a search: its name and options
 Method = tuple[str, Mapping[str, Any]]
@@ -86,9 +92,48 @@ class ModelCosts:
         chosen += [exchanges[-1]] if last else []
         return replace(
             cost,
-            dp_cost=join_method_costs([e.cost for e in chosen]),
+            dp_cost=rebucketed([e.cost for e in chosen]),
             exchange_bytes=sum(e.state_bytes for e in chosen),
         )
+
+
+def _merged(buckets: Sequence[BucketCost]) -> BucketCost:
+    """One bucket holding ``buckets``' gradients: their compression times and sizes add up,
+    and their collectives, round by round, become one each (same kinds) or run in turn."""
+    rounds = [b.collectives for b in buckets]
+    if len({tuple(c.kind for c in r) for r in rounds}) == 1:
+        collectives = tuple(
+            Collective(parts[0].kind, sum(c.nbytes for c in parts))
+            for parts in zip(*rounds, strict=True)
+        )
+    else:
+        collectives = tuple(c for r in rounds for c in r)
+    return BucketCost(
+        ready=max(b.ready for b in buckets),
+        compress_s=sum(b.compress_s for b in buckets),
+        collectives=collectives,
+        numel=sum(b.numel for b in buckets),
+    )
+
+
+def rebucketed(parts: Sequence[MethodCost]) -> MethodCost | None:
+    """The exchange of a stage made of ``parts`` (each measured as one bucket), bucketed as
+    the engine buckets the stage: from the last part (its gradients are ready first), a
+    bucket closes once it holds DDP's first limit (1 MiB), then 25 MiB each."""
+    if not parts:
+        return None
+    limits = [int(FIRST_BUCKET_MB * MB), int(BUCKET_CAP_MB * MB)]
+    buckets: list[BucketCost] = []
+    current: list[BucketCost] = []
+    for part in reversed(parts):
+        for bucket in part.buckets:
+            current.append(bucket)
+            if sum(b.numel for b in current) * 4 >= limits[min(len(buckets), 1)]:
+                buckets.append(_merged(current))
+                current = []
+    if current:
+        buckets.append(_merged(current))
+    return replace(parts[0], buckets=tuple(buckets), dense_bytes=sum(p.dense_bytes for p in parts))
 
 
 def _part_shapes(parts: BlockProfiles) -> list[tuple[tuple[int, ...], ...]]:
@@ -108,9 +153,10 @@ def _measure_exchanges(
     for shapes in _part_shapes(parts):
         if shapes not in measured:
             params = [(f"p{i}", torch.randn(shape)) for i, shape in enumerate(shapes)]
-            cost = measure_method(
-                name, params, world_size=dp, options=dict(options), repeats=repeats
-            )
+            cost = measure_method(  # one bucket per part: rebucketed() makes the stage's
+                name, params, world_size=dp, options=dict(options), repeats=repeats,
+                bucket_cap_mb=ONE_BUCKET_MB,
+            )  # fmt: skip
             state = exchange_state_bytes(name, params, world_size=dp, options=dict(options))
             measured[shapes] = PartExchange(cost, state)
         result.append(measured[shapes])
@@ -133,7 +179,7 @@ def _profile_tp(
     model, _ = source.build()
     layout = read_layout(model)
     costs = ModelCosts(
-        source,
+        replace(source, live=None),  # the pickled model stays out of the profile
         blocks=len(submodule(model, layout.blocks)),
         batch_size=source.batch(),
         parameters=sum(p.numel() for p in model.parameters()),
@@ -177,8 +223,9 @@ def profile_model(
         sizes = sorted(set(needs[tp][0]))
         exchanges = sorted({(dp, method_label(m)): (dp, m) for dp, m in needs[tp][1]}.items())
         wanted = [pair for _, pair in exchanges]
+        live = hashlib.sha256(source.live).hexdigest() if source.live else None
         keys[tp] = json.dumps(
-            [source.name, dict(source.options), source.batch_size, source.seq_len, tp, sizes,
+            [source.name, dict(source.options), source.batch_size, source.seq_len, live, tp, sizes,
              [(dp, method_label(m)) for dp, m in wanted], repeats, optimizer, _FORMAT],
             sort_keys=True, default=str,
         )  # fmt: skip
@@ -215,7 +262,7 @@ def _profile_many(
 
 
 #: bump when what a profile holds changes (older caches are profiled again)
-_FORMAT = 1
+_FORMAT = 2
 
 
 def _cached(cache: Path | None, key: str) -> ModelCosts | None:

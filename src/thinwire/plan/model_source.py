@@ -4,12 +4,15 @@ Either a thinwire task (``"gpt"`` with its options: ``{"style": "llama", "dim": 
 whose model and first global batch are the task's, or a function of a user's module,
 ``"package.module:function"``, called with ``options`` as keyword arguments and returning
 the ``nn.Module``: its inputs are random token ids (``batch_size`` sequences of
-``seq_len``) from the vocabulary its layout names.
+``seq_len``) from the vocabulary its layout names. Or a live model and its global batch,
+pickled (:meth:`ModelSource.of_module`: what ``thinwire.parallelize(model, "auto")``
+profiles; its classes must be importable, as for any spawned process).
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +31,36 @@ class ModelSource:
     """Sequences per step (a task's own ``batch_size`` when ``None``)."""
     seq_len: int | None = None
     """Tokens per sequence (needed for a function; a task knows its own)."""
+    live: bytes | None = None
+    """A model and its global batch, pickled by :meth:`of_module`."""
+
+    @classmethod
+    def of_module(cls, model: nn.Module, batch: tuple[Tensor, Tensor]) -> ModelSource:
+        """A live ``model`` with its global ``batch`` (token ids, targets)."""
+        tokens = batch[0]
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            raise ValueError(
+                "example_inputs must be the global batch (token ids of shape (batch, "
+                "sequence), targets) that trainer.step takes"
+            )
+        buffer = io.BytesIO()
+        torch.save((model, tuple(batch)), buffer)
+        return cls(
+            f"{type(model).__name__} (given)",
+            batch_size=tokens.shape[0],
+            seq_len=tokens.shape[1],
+            live=buffer.getvalue(),
+        )
 
     @property
     def is_function(self) -> bool:
         """Whether ``name`` is ``module:function`` rather than a task."""
-        return ":" in self.name
+        return self.live is None and ":" in self.name
+
+    def _unpickled(self) -> tuple[nn.Module, tuple[Tensor, Tensor]]:
+        assert self.live is not None
+        model, batch = torch.load(io.BytesIO(self.live), weights_only=False)
+        return model, batch
 
     def _task(self) -> Any:
         from thinwire.tasks import task
@@ -46,10 +74,14 @@ class ModelSource:
 
     def build_model(self) -> nn.Module:
         """The model alone (under ``torch.device("meta")``: its shapes, nothing allocated)."""
+        if self.live is not None:
+            return self._unpickled()[0]
         return self._call_function() if self.is_function else self._task().build_model()
 
     def build(self) -> tuple[nn.Module, tuple[Tensor, Tensor]]:
         """The model and one global batch (token ids and their targets)."""
+        if self.live is not None:
+            return self._unpickled()
         if not self.is_function:
             job = self._task()
             return job.build_model(), job.global_batch(0)

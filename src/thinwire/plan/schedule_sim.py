@@ -193,7 +193,9 @@ class _Wire:
     sends a small "ready" note on its own socket to the sender, behind the data that socket
     already carries the other way; the data leaves once the send is posted and the note
     is in. A boundary whose link the replicas share (the pairs of ranks crossing between
-    two hosts at once) serves their data one message at a time, in the order it came."""
+    two hosts at once) serves their data one message at a time, in the order it came, and
+    a ready note crossing it waits behind the data already queued on it that way (one
+    queue per way, as on the emulated cluster's links)."""
 
     def __init__(
         self,
@@ -216,7 +218,12 @@ class _Wire:
     def post_recv(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         """The receiver posts ``key``'s receive: its ready note leaves for the sender."""
         sender, receiver = _ends(key)
-        left = max(now, self.socket_free.get((key[0], receiver, sender), 0.0))
+        link = (self.links[key[2]][key[0]], receiver, sender)
+        left = max(
+            now,
+            self.socket_free.get((key[0], receiver, sender), 0.0),
+            self.link_free.get(link, 0.0),
+        )
         return [(left + self._message(key).latency_s, key, "ready")]
 
     def post_send(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:

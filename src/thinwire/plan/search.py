@@ -32,7 +32,7 @@ from thinwire.plan.split import PartCost, Split, best_split
 DEFAULT_METHODS: tuple[Method, ...] = (
     ("dense", {}),
     ("powersgd", {"rank": 4}),
-    ("dgc", {"density": 0.01}),
+    ("dgc", {"density": 0.01, "momentum": 0.0}),  # thinwire applies no momentum under AdamW
 )
 
 

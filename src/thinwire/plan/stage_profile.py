@@ -22,9 +22,7 @@ what its parts cost (bytes exactly, as ``tests/test_hybrid_sleep.py`` checks).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import multiprocessing
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -208,10 +206,10 @@ def stage_of(world: _FakeWorld, plan: Any, blocks: range, first: bool, last: boo
 
 
 def in_fresh_process(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a fresh process (spawned: a core and a process group of its own)."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(fn, *args).result()
+    """``fn(*args)`` in a fresh process (a core and a process group of its own)."""
+    from thinwire.plan.fresh_process import run_fresh
+
+    return run_fresh(fn, *args)
 
 
 def _profile_in_fake_world(

@@ -1,0 +1,147 @@
+"""The planner against measurement: ``thinwire plan --json`` beside a ``thinwire bench --plans
+--compute sleep`` sweep of the plans it ranked.
+
+    python bench/plan_check.py --plan docs/results/plan-25m-100mbit.json \
+        --results docs/results/plan-check-100mbit/results.json \
+        --out docs/results/plan-check-100mbit.json
+
+For every plan measured: its place in the planner's order, predicted and measured step
+time and peak memory per rank; then how far the planner's choice is from the fastest plan
+measured, the median and worst error, and Spearman's correlation between the planner's
+order and the measured one. The planner's figures come from its own probe and profiles,
+taken before the sweep; nothing of the sweep goes into them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+from thinwire.bench.hybrid_predict import spearman
+from thinwire.cluster.units import parse_bytes
+
+#: options the sweep adds for measuring a steady state, which the planner's spec leaves out
+_MEASUREMENT_ONLY = re.compile(r",?warmup_steps=0")
+
+
+def _spec(label: str) -> str:
+    return _MEASUREMENT_ONLY.sub("", label).replace("()", "")
+
+
+def check(plan_json: Path, results: Path, memory_limit: int | None = None) -> dict:
+    """The comparison (see the module docstring); with ``memory_limit``, which plans the
+    planner says fit it and which the runs show fit it."""
+    planned = json.loads(plan_json.read_text())
+    order = {row["plan"]: (place, row) for place, row in enumerate(planned["ranked"], 1)}
+    rows = []
+    for record in json.loads(results.read_text())["records"]:
+        label = _spec(record["plan"])
+        if label not in order:
+            raise ValueError(f"{record['plan']} was measured but the planner did not rank it")
+        place, row = order[label]
+        predicted = row["prediction"]
+        rows.append(
+            {
+                "plan": label,
+                "place": place,
+                "predicted_s": predicted["step_s"],
+                "measured_s": record["step_s"],
+                "error": predicted["step_s"] / record["step_s"] - 1,
+                "predicted_peak_bytes": predicted["peak_memory_bytes"],
+                "measured_peak_bytes": record["peak_memory_bytes"],
+                "peak_error": predicted["peak_memory_bytes"] / record["peak_memory_bytes"] - 1,
+            }
+        )
+    if not rows:
+        raise ValueError(f"{results} holds no measured plan")
+    rows.sort(key=lambda r: r["place"])
+    best = min(rows, key=lambda r: r["measured_s"])
+    chosen = next((r for r in rows if r["place"] == 1), None)
+    errors = [abs(r["error"]) for r in rows]
+    peaks = [abs(r["peak_error"]) for r in rows]
+    limit = None
+    if memory_limit is not None:
+        limit = {
+            "bytes": memory_limit,
+            "said_to_fit": [r["plan"] for r in rows if r["predicted_peak_bytes"] <= memory_limit],
+            "said_not_to_fit": [
+                r["plan"] for r in rows if r["predicted_peak_bytes"] > memory_limit
+            ],
+            "wrong": [
+                r["plan"]
+                for r in rows
+                if (r["predicted_peak_bytes"] <= memory_limit)
+                != (r["measured_peak_bytes"] <= memory_limit)
+            ],
+        }
+    return {
+        "memory_limit": limit,
+        "plan": str(plan_json),
+        "results": str(results),
+        "rows": rows,
+        "chosen": None if chosen is None else chosen["plan"],
+        "best_measured": best["plan"],
+        "chosen_over_best": (
+            None if chosen is None else chosen["measured_s"] / best["measured_s"] - 1
+        ),
+        "median_abs_error": statistics.median(errors),
+        "max_abs_error": max(errors),
+        "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+        if len(rows) > 1
+        else None,
+        "median_abs_peak_error": statistics.median(peaks),
+        "max_abs_peak_error": max(peaks),
+    }
+
+
+def markdown(summary: dict) -> str:
+    """The comparison as a Markdown table and a summary line."""
+    lines = [
+        "| planner's place | plan | predicted s | measured s | error "
+        "| peak MiB predicted / measured |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['place']} | {r['plan']} | {r['predicted_s']:.2f} | {r['measured_s']:.2f} | "
+            f"{r['error']:+.0%} | {r['predicted_peak_bytes'] / 2**20:.0f} / "
+            f"{r['measured_peak_bytes'] / 2**20:.0f} |"
+        )
+    gap = summary["chosen_over_best"]
+    lines.append(
+        f"\nchosen {summary['chosen']} (measured {'not' if gap is None else f'{gap:+.1%}'} "
+        f"against the fastest measured, {summary['best_measured']}); step time error median "
+        f"{summary['median_abs_error']:.1%}, worst {summary['max_abs_error']:.1%}; Spearman "
+        f"{summary['spearman']:.2f}; peak memory error median "
+        f"{summary['median_abs_peak_error']:.1%}, worst {summary['max_abs_peak_error']:.1%}"
+    )
+    limit = summary.get("memory_limit")
+    if limit:
+        lines.append(
+            f"memory limit {limit['bytes'] / 2**20:.0f} MiB: {len(limit['said_to_fit'])} plans "
+            f"said to fit, {len(limit['said_not_to_fit'])} not; measured otherwise: "
+            f"{', '.join(limit['wrong']) or 'none'}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Command line: see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plan", required=True, help="thinwire plan --json output")
+    parser.add_argument("--results", required=True, help="the sweep's results.json")
+    parser.add_argument("--out", default="", help="write the comparison here (JSON)")
+    parser.add_argument("--memory-limit", default="", help="check fits against it, e.g. 300MiB")
+    args = parser.parse_args()
+    limit = parse_bytes(args.memory_limit) if args.memory_limit else None
+    summary = check(Path(args.plan), Path(args.results), limit)
+    print(markdown(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
