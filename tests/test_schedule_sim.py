@@ -104,3 +104,35 @@ def test_replicas_on_one_link_take_turns_and_on_their_own_links_do_not():
     assert shared.step_s > 2 * alone.step_s
     with pytest.raises(ValueError, match="a link per replica"):
         simulate("gpipe", 2, stages, link, link, replicas=3, links=[["a", "b"]])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_a_fluid_link_to_itself_is_the_first_in_first_out_one(schedule, microbatches):
+    link = [Message(0.87, 0.001, 0.5)]
+    stages = [StageTimes(0.05, 0.1), StageTimes(0.07, 0.12)]
+    fifo = simulate(schedule, microbatches, stages, link, link, replicas=2)
+    fluid = simulate(schedule, microbatches, stages, link, link, replicas=2, sharing="fluid")
+    assert fluid.stage_end_s == pytest.approx(fifo.stage_end_s)
+
+
+def test_on_a_fluid_link_messages_share_the_bandwidth_and_finish_together():
+    # one micro-batch, no compute: both replicas' activations leave at once
+    link, stages = [Message(1.0, 0.0)], [StageTimes(0.0, 0.0)] * 2
+    shared = [["host0-host1"] * 2]
+    fifo = simulate("gpipe", 1, stages, link, link, replicas=2, links=shared)
+    fluid = simulate("gpipe", 1, stages, link, link, replicas=2, links=shared, sharing="fluid")
+    # fluid: both activations arrive at 2 s, both gradients at 4 s. First in, first out:
+    # the activations at 1 s and 2 s, and the first gradient's ready note waits behind the
+    # second activation on the link, so the gradients arrive at 3 s and 4 s
+    assert fluid.step_s == pytest.approx(4.0)
+    assert fifo.step_s == pytest.approx(4.0)
+    uneven = [StageTimes(0.0, 0.0), StageTimes(0.0, 3.0)]  # the receiver computes 3 s
+    fifo = simulate("gpipe", 1, uneven, link, link, replicas=2, links=shared)
+    fluid = simulate("gpipe", 1, uneven, link, link, replicas=2, links=shared, sharing="fluid")
+    # first in first out: activations at 1 and 2, backward done at 4 and 5, gradients
+    # 4-5 and 5-6; fluid: activations both at 2, backward done at 5, gradients 5-7
+    assert fifo.step_s == pytest.approx(6.0)
+    assert fluid.step_s == pytest.approx(7.0)
+    with pytest.raises(ValueError, match="fluid"):
+        simulate("gpipe", 1, stages, link, link, sharing="fair")

@@ -244,6 +244,32 @@ class PlanOnLinks:
         return fitted_link(shared_fit(self.probe.inter_allreduce, per_host)), d.dp
 
 
+def largest_sharing_group(replicas: int, links: Sequence[Sequence[object]]) -> list[int]:
+    """The largest set of replicas that share links, directly or through each other
+    (``links[b][r]``: the link replica ``r`` crosses boundary ``b`` on). Other sets run the
+    same schedule on links of their own, so simulating one tells the step of all: a
+    1024-rank plan simulates a few pipelines, not hundreds."""
+    parent = list(range(replicas))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for per_replica in links:
+        first: dict[object, int] = {}
+        for replica, link in enumerate(per_replica):
+            if link in first:
+                parent[root(replica)] = root(first[link])
+            else:
+                first[link] = replica
+    groups: dict[int, list[int]] = {}
+    for replica in range(replicas):
+        groups.setdefault(root(replica), []).append(replica)
+    return max(groups.values(), key=len)
+
+
 def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe) -> PlanPrediction:
     """One step of a plan whose pipeline stages cost ``stages`` on the probed cluster."""
     if len(stages) != degrees.pp:
@@ -262,14 +288,17 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     ]
     crossings = [links.message(b, stages[b].activation_bytes) for b in range(degrees.pp - 1)]
     messages = [message for message, _ in crossings]
+    sharing = largest_sharing_group(
+        len(links.replicas()), [per_replica for _, per_replica in crossings]
+    )
     pipeline = simulate(
         degrees.schedule,
         degrees.microbatches,
         times,
         messages,
         messages,
-        replicas=len(links.replicas()),
-        links=[per_replica for _, per_replica in crossings],
+        replicas=len(sharing),
+        links=[[per_replica[r] for r in sharing] for _, per_replica in crossings],
     )
     slowdown = max(1.0, probe.cpu_slowdown)
     exchange, optimizer = [], []

@@ -31,6 +31,8 @@ import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+from thinwire.plan.fluid_wire import FluidWire
+
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
 SIMULATED_SCHEDULES = ("gpipe", "1f1b")
 
@@ -261,13 +263,17 @@ def simulate(
     backward: Sequence[Message] = (),
     replicas: int = 1,
     links: Sequence[Sequence[Hashable]] | None = None,
+    sharing: str = "fifo",
 ) -> PipelineTimes:
     """One step of ``schedule`` over ``len(stages)`` pipeline ranks and ``microbatches``
     micro-batches; ``forward[b]`` and ``backward[b]`` are the messages across boundary
     ``b`` (between stages ``b`` and ``b + 1``). ``replicas`` pipelines run side by side
     (the data- and tensor-parallel ranks of a plan); ``links[b][r]`` names the link replica
     ``r`` crosses boundary ``b`` on: replicas on the same link share it (``serialise_s`` is
-    a message's time with the link to itself). By default each has its own."""
+    a message's time with the link to itself). By default each has its own. ``sharing``:
+    ``"fifo"`` (one message at a time, in arrival order: the default, closer on the 27
+    sweep runs of docs/measurements.md) or ``"fluid"`` (the messages on a link progress
+    together, each at its share: :mod:`thinwire.plan.fluid_wire`)."""
     if schedule not in _PROGRAMS:
         raise ValueError(
             f"the planner simulates the schedules {', '.join(SIMULATED_SCHEDULES)}, not "
@@ -290,7 +296,13 @@ def simulate(
         raise ValueError(
             f"links needs, per boundary ({count - 1}), a link per replica ({replicas})"
         )
-    wire = _Wire(forward, backward, links)
+    if sharing not in ("fluid", "fifo"):
+        raise ValueError(f"sharing is 'fluid' or 'fifo', not {sharing!r}")
+    wire = (
+        FluidWire(forward, backward, links)
+        if sharing == "fluid"
+        else _Wire(forward, backward, links)
+    )
     return _EventLoop(schedule, microbatches, stages, wire, replicas).run()
 
 
@@ -302,7 +314,7 @@ class _EventLoop:
         schedule: str,
         microbatches: int,
         stages: Sequence[StageTimes],
-        wire: _Wire,
+        wire: _Wire | FluidWire,
         replicas: int,
     ) -> None:
         self.schedule = schedule
@@ -332,6 +344,10 @@ class _EventLoop:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "run":
                 self._advance(payload, now)  # type: ignore[arg-type]
+                continue
+            if kind == "link":
+                for when, k, what in self.wire.link_changed(payload, now):  # type: ignore[union-attr]
+                    self._push(when, what, k)
                 continue
             key: _Wired = payload  # type: ignore[assignment]
             if kind == "ready":
