@@ -2,7 +2,7 @@
 --compute sleep`` sweep of the plans it ranked.
 
     python bench/plan_check.py --plan docs/results/plan-25m-100mbit.json \
-        --results docs/results/plan-check-100mbit/results.json \
+        --results docs/results/plan-check-100mbit-*/results.json \
         --out docs/results/plan-check-100mbit.json
 
 For every plan measured: its place in the planner's order, predicted and measured step
@@ -31,13 +31,15 @@ def _spec(label: str) -> str:
     return _MEASUREMENT_ONLY.sub("", label).replace("()", "")
 
 
-def check(plan_json: Path, results: Path, memory_limit: int | None = None) -> dict:
+def check(plan_json: Path, results: Path | list[Path], memory_limit: int | None = None) -> dict:
     """The comparison (see the module docstring); with ``memory_limit``, which plans the
     planner says fit it and which the runs show fit it."""
     planned = json.loads(plan_json.read_text())
     order = {row["plan"]: (place, row) for place, row in enumerate(planned["ranked"], 1)}
+    files = results if isinstance(results, list) else [results]
+    records = [r for path in files for r in json.loads(path.read_text())["records"]]
     rows = []
-    for record in json.loads(results.read_text())["records"]:
+    for record in records:
         label = _spec(record["plan"])
         if label not in order:
             raise ValueError(f"{record['plan']} was measured but the planner did not rank it")
@@ -56,7 +58,7 @@ def check(plan_json: Path, results: Path, memory_limit: int | None = None) -> di
             }
         )
     if not rows:
-        raise ValueError(f"{results} holds no measured plan")
+        raise ValueError(f"{', '.join(map(str, files))} hold no measured plan")
     rows.sort(key=lambda r: r["place"])
     best = min(rows, key=lambda r: r["measured_s"])
     chosen = next((r for r in rows if r["place"] == 1), None)
@@ -80,7 +82,7 @@ def check(plan_json: Path, results: Path, memory_limit: int | None = None) -> di
     return {
         "memory_limit": limit,
         "plan": str(plan_json),
-        "results": str(results),
+        "results": [str(path) for path in files],
         "rows": rows,
         "chosen": None if chosen is None else chosen["plan"],
         "best_measured": best["plan"],
@@ -132,12 +134,12 @@ def main() -> None:
     """Command line: see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--plan", required=True, help="thinwire plan --json output")
-    parser.add_argument("--results", required=True, help="the sweep's results.json")
+    parser.add_argument("--results", nargs="+", required=True, help="the sweep's results.json")
     parser.add_argument("--out", default="", help="write the comparison here (JSON)")
     parser.add_argument("--memory-limit", default="", help="check fits against it, e.g. 300MiB")
     args = parser.parse_args()
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
-    summary = check(Path(args.plan), Path(args.results), limit)
+    summary = check(Path(args.plan), [Path(r) for r in args.results], limit)
     print(markdown(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
