@@ -9,6 +9,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from thinwire.cli import main
 from thinwire.cluster.units import parse_bytes
@@ -256,3 +257,19 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
     limit = summary["memory_limit"]
     assert limit["said_to_fit"] == ["4x2x1/mb8/gpipe", "8x1x1/mb1/1f1b:dgc(d=1)"]
     assert limit["wrong"] == ["8x1x1/mb1/1f1b:dgc(d=1)"]  # 200 said, 250 measured
+
+
+def test_parallelize_auto_says_what_it_needs():
+    import torch.distributed as dist
+
+    import thinwire
+    from thinwire.tasks.transformer import TransformerConfig, TransformerLM
+
+    model = TransformerLM(TransformerConfig(vocab=64, dim=16, layers=2, heads=2, max_seq=8))
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        thinwire.parallelize(model, "auto", example_inputs=None)
+    with pytest.raises(ValueError, match="cannot read plan"):
+        thinwire.parallelize(model, "two by two")
+    with pytest.raises(ValueError, match="example_inputs must be the global batch"):
+        ModelSource.of_module(model, (torch.zeros(8), torch.zeros(8)))
