@@ -15,6 +15,7 @@ prediction beside measurement (``--part plan`` runs it alone, ``--part dp`` the 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 
@@ -46,7 +47,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run the quick benchmark, on loopback if this process cannot build namespaces."""
     reason = check_can_emulate()
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # whole tables in logs
     code = 0
     if args.part in ("all", "dp"):
         if args.network == "emulated" and reason is not None:

@@ -23,6 +23,7 @@ The step is the last stage to finish. :class:`PlanPrediction` breaks it down.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
@@ -180,6 +181,7 @@ class PlanOnLinks:
                 f"{probe.ranks_per_host}: plan for the cluster the probe ran on"
             )
         self.degrees, self.probe = degrees, probe
+        self._per_host: int | None = None
 
     def host(self, rank: int) -> int:
         """The host of ``rank`` (torchrun's numbering)."""
@@ -230,18 +232,21 @@ class PlanOnLinks:
         if not spanning:
             intra = self.probe.intra_allreduce  # by group size; else the largest probed
             return fitted_link(intra.get(d.dp) or intra[max(intra)]), d.dp
-        # every stage's groups exchange at about the same time, after the pipeline
-        all_spanning = [
-            [rank_at(s, i, t, d) for i in range(d.dp)]
-            for s in range(d.pp)
-            for t in range(d.tp)
-            if len({self.host(rank_at(s, i, t, d)) for i in range(d.dp)}) > 1
-        ]
-        per_host = max(
-            sum(any(self.host(r) == h for r in g) for g in all_spanning)
-            for h in range(self.probe.hosts)
-        )
+        per_host = self._spanning_per_host()
         return fitted_link(shared_fit(self.probe.inter_allreduce, per_host)), d.dp
+
+    def _spanning_per_host(self) -> int:
+        """The most data-parallel groups crossing between hosts that touch one host: every
+        stage's groups exchange at about the same time, after the pipeline."""
+        if self._per_host is None:
+            d, touching = self.degrees, Counter[int]()
+            for stage in range(d.pp):
+                for t in range(d.tp):
+                    hosts = {self.host(rank_at(stage, i, t, d)) for i in range(d.dp)}
+                    if len(hosts) > 1:
+                        touching.update(hosts)
+            self._per_host = max(touching.values(), default=1)
+        return self._per_host
 
 
 def largest_sharing_group(replicas: int, links: Sequence[Sequence[object]]) -> list[int]:
