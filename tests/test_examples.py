@@ -36,9 +36,17 @@ def _readme_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
 
-def test_the_readme_shows_the_quick_start_file_as_it_is() -> None:
-    text = (EXAMPLES / "quickstart_ddp.py").read_text()
-    code = text[text.index("import torch") :]
+@pytest.mark.parametrize(
+    ("example", "first_line"),
+    [
+        ("quickstart_ddp.py", "import torch"),
+        ("quickstart_hybrid.py", "import torch"),
+        ("quickstart_auto.py", "import logging"),
+    ],
+)
+def test_the_readme_shows_the_quick_start_files_as_they_are(example, first_line) -> None:
+    text = (EXAMPLES / example).read_text()
+    code = text[text.index(first_line) :]
     assert code in _readme_blocks()
 
 
@@ -52,12 +60,6 @@ def test_the_ddp_quick_start_runs_under_torchrun(tmp_path) -> None:
     assert (tmp_path / "quickstart-ckpt.pt").exists()
 
 
-def test_the_readme_shows_the_hybrid_quick_start_file_as_it_is() -> None:
-    text = (EXAMPLES / "quickstart_hybrid.py").read_text()
-    code = text[text.index("import torch") :]
-    assert code in _readme_blocks()
-
-
 @pytest.mark.timeout(300)
 def test_the_hybrid_quick_start_runs_under_torchrun(tmp_path) -> None:
     script = EXAMPLES / "quickstart_hybrid.py"
@@ -68,12 +70,6 @@ def test_the_hybrid_quick_start_runs_under_torchrun(tmp_path) -> None:
     perplexity = float(re.search(r"held-out perplexity ([\d.]+) after 40 steps", done.stdout)[1])
     assert perplexity < 512 / 2, done.stdout  # uniform over the vocabulary would be 512
     assert (tmp_path / "quickstart-hybrid-ckpt" / ".metadata").exists()
-
-
-def test_the_readme_shows_the_auto_quick_start_file_as_it_is() -> None:
-    text = (EXAMPLES / "quickstart_auto.py").read_text()
-    code = text[text.index("import logging") :]
-    assert code in _readme_blocks()
 
 
 @pytest.mark.timeout(300)
