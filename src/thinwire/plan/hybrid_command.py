@@ -19,7 +19,7 @@ from typing import Any
 
 from thinwire.cluster.units import parse_bytes, parse_duration, parse_rate
 from thinwire.parallel.plan_spec import parse_options
-from thinwire.plan.model_costs import Method, ModelCosts
+from thinwire.plan.model_costs import Method, ModelCosts, profile_model
 from thinwire.plan.model_source import ModelSource
 from thinwire.plan.nominal_links import nominal_probe
 from thinwire.plan.probe import LinkProbe
@@ -115,8 +115,6 @@ def plan_for(
     *, repeats: int = 3, optimizer: str = "adamw", cache: Path | None = None, log: Any = None,
 ) -> tuple[SearchResult, ModelCosts]:  # fmt: skip
     """Profile what the search needs of ``source`` on ``probe``'s cluster, then search."""
-    from thinwire.plan.model_costs import profile_model as profile
-
     world = probe.hosts * probe.ranks_per_host
     batch = source.batch()
     blocks = _blocks(source)
@@ -126,7 +124,7 @@ def plan_for(
             f"no plan of {world} ranks splits a batch of {batch} for {blocks} blocks: use a "
             f"global batch that is a multiple of {world}"
         )
-    costs = profile(
+    costs = profile_model(
         source, needs(found, batch), repeats=repeats, optimizer=optimizer, cache=cache, log=log
     )
     return search(costs, probe, memory_limit, space), costs

@@ -169,8 +169,6 @@ def _profile_tp(
 ) -> ModelCosts:  # fmt: skip
     """In a fresh process: the parts under ``tp`` at each micro-batch size, and their
     exchanges for each ``(dp, method)``."""
-    from dataclasses import replace as replace_world
-
     from thinwire.parallel.layout import read_layout, submodule
     from thinwire.parallel.plan import ParallelPlan
     from thinwire.parallel.tensor import check_tensor_parallel
@@ -194,7 +192,7 @@ def _profile_tp(
     with fake_world(source, plan, max(sizes)) as world:
         tokens, targets = world.batch
         for size in sorted(sizes):
-            sized = replace_world(world, batch=(tokens[:size], targets[:size]))
+            sized = replace(world, batch=(tokens[:size], targets[:size]))
             costs.compute[(tp, size)] = block_profiles(sized, plan, repeats, optimizer)
     parts = costs.compute[(tp, max(sizes))]
     for dp, method in exchanges:

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-from thinwire.plan.fluid_wire import FluidWire
+from thinwire.plan.fluid_wire import FluidWire, ends
 
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
 SIMULATED_SCHEDULES = ("gpipe", "1f1b")
@@ -182,12 +182,6 @@ _PROGRAMS = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 _Wired = tuple[int, str, int, int]  # (replica, direction, boundary, micro-batch)
 
 
-def _ends(key: _Wired) -> tuple[int, int]:
-    """The (sender, receiver) stages of message ``key``."""
-    _, way, boundary, _ = key
-    return (boundary, boundary + 1) if way == _FWD else (boundary + 1, boundary)
-
-
 class _Wire:
     """The byte streams between neighbouring stages, first in first out.
 
@@ -219,7 +213,7 @@ class _Wire:
 
     def post_recv(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         """The receiver posts ``key``'s receive: its ready note leaves for the sender."""
-        sender, receiver = _ends(key)
+        sender, receiver = ends(key)
         link = (self.links[key[2]][key[0]], receiver, sender)
         left = max(
             now,
@@ -240,7 +234,7 @@ class _Wire:
 
     def _transmit(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         message = self._message(key)
-        sender, receiver = _ends(key)
+        sender, receiver = ends(key)
         socket = (key[0], sender, receiver)
         link = (self.links[key[2]][key[0]], sender, receiver)
         start = max(now, self.socket_free.get(socket, 0.0), self.link_free.get(link, 0.0))
@@ -251,7 +245,7 @@ class _Wire:
 
     def done(self, key: _Wired, stage: int) -> float | None:
         """When ``stage``'s side of ``key`` completed (sent, or arrived), if it has."""
-        side = self.sent if _ends(key)[0] == stage else self.arrived
+        side = self.sent if ends(key)[0] == stage else self.arrived
         return side.get(key)
 
 
@@ -355,7 +349,7 @@ class _EventLoop:
                     self._push(when, what, k)
                 continue
             (self.wire.sent if kind == "sent" else self.wire.arrived)[key] = now
-            for stage in _ends(key):
+            for stage in ends(key):
                 actor = (key[0], stage)
                 if actor in self.waiting and self._settled(actor) is not None:
                     del self.waiting[actor]
