@@ -218,3 +218,89 @@ def test_a_run_saved_under_one_plan_resumes_under_another(pool8, tmp_path) -> No
     np.testing.assert_allclose(first + rest, whole, rtol=1e-5)
     # and single-process training agrees on the steps after the resume
     np.testing.assert_allclose(rest, reference("llama", 4)[0][3:], rtol=1e-4)
+
+
+def train_with_dropout(rank: int, world: int, plan: ParallelPlan):
+    """On every rank: 5 AdamW steps of a GPT with dropout under ``plan`` (seeded alike);
+    the losses and rank 0's full weights."""
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab=VOCAB, dim=32, layers=4, heads=4, max_seq=SEQ, dropout=0.2)
+    trainer = parallelize(TransformerLM(config), plan, optimizer=make_optimizer("adamw"))
+    torch.manual_seed(1 + rank // plan.tp)  # tensor-parallel ranks draw the same masks
+    losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()]
+    full = trainer.full_state_dict()
+    trainer.close()
+    return losses, {k: v.numpy().copy() for k, v in full.items()} if rank == 0 else None
+
+
+def test_recomputation_changes_neither_losses_nor_weights(pool8) -> None:
+    plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4)
+    recomputing = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4, recompute=(1.0, 0.5))
+    expected = pool8.run(train_with_dropout, plain, timeout=300)
+    results = pool8.run(train_with_dropout, recomputing, timeout=300)
+    for (losses, _), (want, _) in zip(results, expected, strict=True):
+        np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert len(set(expected[0][0])) == STEPS  # it trained
+    for name, value in expected[0][1].items():
+        np.testing.assert_allclose(results[0][1][name], value, rtol=1e-5, atol=0, err_msg=name)
+
+
+MEMORY_TASK = {"dim": 64, "layers": 8, "heads": 4, "seq_len": 32, "batch_size": 16,
+               "vocab": 256, "max_bytes": 200_000, "eval_tokens": 512}  # fmt: skip
+
+
+def saved_at_second_step(rank: int, world: int, plan: ParallelPlan) -> int:
+    """Peak bytes autograd saved on this rank in the second real step under ``plan`` (the
+    first also infers shapes)."""
+    from thinwire.plan.activations import SavedActivations
+    from thinwire.tasks import task
+
+    job = task("gpt", **MEMORY_TASK)
+    trainer = parallelize(job.build_model(), plan, optimizer=make_optimizer("sgd"))
+    inputs, targets = job.global_batch(0)
+    trainer.step(inputs, targets)
+    with SavedActivations(exclude=[p for _, p in trainer.named_parameters()]) as saved:
+        trainer.step(inputs, targets)
+    trainer.close()
+    return saved.peak_bytes
+
+
+def test_saved_activations_per_stage_are_predicted_within_5_percent(pool8, tmp_path) -> None:
+    from thinwire.parallel.stages import even_boundaries, stage_ranges
+    from thinwire.plan.recompute_choice import least_recomputation
+    from thinwire.plan.split import in_flight
+    from thinwire.plan.stage_profile import compose_stage, profile_blocks
+
+    parts = profile_blocks(
+        "gpt", MEMORY_TASK, ParallelPlan(dp=2, pp=4, microbatches=4), microbatch=2, repeats=1
+    )
+    ranges = stage_ranges(8, even_boundaries(8, 4))
+
+    def predict(ratios: tuple[float, ...]) -> list[int]:
+        return [
+            compose_stage(parts, ranges[s], first=s == 0, last=s == 3, recompute=ratios[s])
+            .memory(in_flight("1f1b", s, 4, 4))["activations"]
+            for s in range(4)
+        ]  # fmt: skip
+
+    # the limit recomputing every block needs; each stage recomputes the least under it
+    limit = max(predict((1.0,) * 4))
+    chosen = tuple(
+        least_recomputation(lambda r, s=s: predict((r,) * 4)[s], len(ranges[s]), limit)
+        for s in range(4)
+    )
+    assert chosen[0] == 1.0 and chosen[3] < 1.0  # the last stage holds one micro-batch
+    ratios = {"none": (0.0,) * 4, "uniform": (1.0,) * 4, "per stage": (0.5, 0.5, 0.0, 0.0),
+              "stage-aware": chosen}  # fmt: skip
+    measured, predicted = {}, {}
+    for name, per_stage in ratios.items():
+        plan = ParallelPlan(dp=2, pp=4, microbatches=4, recompute=per_stage)
+        per_rank = pool8.run(saved_at_second_step, plan, timeout=300)
+        measured[name] = [per_rank[2 * s] for s in range(4)]  # ranks (pp, dp): pp-major
+        assert [per_rank[2 * s + 1] for s in range(4)] == measured[name]
+        predicted[name] = predict(per_stage)
+        np.testing.assert_allclose(measured[name], predicted[name], rtol=0.05, err_msg=name)
+    # recomputation saves what it should; the stage-aware ratios hold every stage within
+    # the limit that recomputing every block needs
+    assert all(u < n for u, n in zip(measured["uniform"], measured["none"], strict=True))
+    assert max(measured["stage-aware"]) <= max(measured["uniform"]) < max(measured["none"])

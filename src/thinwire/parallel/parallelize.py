@@ -75,7 +75,14 @@ def parallelize(
     pp_rank = mesh["pp"].get_local_rank()
     indices = [pp_rank + k * plan.pp for k in range(CHUNKS_PER_RANK[plan.schedule])]
     stages = [
-        StageModule(model, layout, ranges[i], first=i == 0, last=i == plan.chunks - 1)
+        StageModule(
+            model,
+            layout,
+            ranges[i],
+            first=i == 0,
+            last=i == plan.chunks - 1,
+            recompute=plan.recompute[i] if plan.recompute else 0.0,
+        )
         for i in indices
     ]
     tied = TiedGradients(model, layout, ranges, plan, stages)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from thinwire.compress.registry import compressor as build_compressor
+from thinwire.parallel.recompute import check_ratios
 
 #: pipeline schedules, by the name a plan gives them (torch.distributed.pipelining's)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -57,6 +58,10 @@ class ParallelPlan:
     stages: tuple[int, ...] | None = None
     """Where stages start, as block indices after the first stage (``pp * chunks - 1``
     of them, increasing); ``None``: as even as the blocks allow."""
+    recompute: tuple[float, ...] | float | None = None
+    """Fraction of each stage's blocks (its last ones) whose activations are recomputed
+    in the backward instead of kept: one number for every stage, a ratio per stage
+    (``thinwire.parallel.recompute.stage_aware_ratios`` gives Merak's), or ``None``: none."""
     dp_method: str = DENSE
     """How the ``"dp"`` groups exchange gradients: ``"dense"`` (an all-reduce of every
     gradient) or any thinwire compressor's name (``thinwire compressors``)."""
@@ -83,6 +88,16 @@ class ParallelPlan:
                 b <= a for a, b in zip((0, *stages), stages, strict=False)
             ):
                 raise ValueError(f"stages must be increasing block indices > 0, got {list(stages)}")
+        if self.recompute is not None:
+            ratios = self.recompute
+            if isinstance(ratios, int | float) and not isinstance(ratios, bool):
+                ratios = (ratios,) * self.chunks
+            elif not isinstance(ratios, list | tuple):
+                raise TypeError(
+                    f"recompute is a fraction of the blocks or one per stage, got {ratios!r}"
+                )
+            ratios = check_ratios(ratios, self.chunks)
+            object.__setattr__(self, "recompute", None if not any(ratios) else ratios)
         if self.schedule == "1f1b" and self.pp > 1 and self.microbatches < self.pp:
             raise ValueError(
                 f"schedule '1f1b' needs at least as many micro-batches as pipeline stages "
@@ -163,4 +178,5 @@ class ParallelPlan:
         return (
             f"dp={self.dp} pp={self.pp} tp={self.tp} microbatches={self.microbatches} "
             f"schedule={self.schedule} dp_method={method}"
+            + (f" recompute={list(self.recompute)}" if self.recompute else "")
         )

@@ -1,10 +1,13 @@
 """Plans written on the command line:
-``DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...][:METHOD[(k=v,...)]]``.
+``DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...][/rcR,...|/rcsaR][:METHOD[(k=v,...)]]``.
 
     2x2x2                       dp=2 pp=2 tp=2, 2 micro-batches, 1F1B, dense dp
     2x2x2/mb4/gpipe:powersgd(rank=4)
     1x4x2/mb8/stages2,4,7       stages start at blocks 0, 2, 4 and 7 (default: even)
     8x1x1:dgc(density=0.01)
+    1x4x2/mb8/rc1               every stage recomputes all its blocks
+    1x4x2/mb8/rc1,0.5,0.5,0     a recomputation ratio per stage
+    1x4x2/mb8/rcsa0.75          Merak's stage-aware ratios from the first stage's 0.75
 
 Micro-batches default to ``pp`` (the fewest 1F1B accepts). Option values are read as
 Python literals (numbers, booleans, strings).
@@ -16,6 +19,7 @@ import ast
 import re
 
 from thinwire.parallel.plan import SCHEDULES, ParallelPlan
+from thinwire.parallel.recompute import stage_aware_ratios
 
 _PLAN = re.compile(
     r"^(?P<dp>\d+)x(?P<pp>\d+)x(?P<tp>\d+)"
@@ -48,7 +52,8 @@ def parse_plan(spec: str) -> ParallelPlan:
             "e.g. 2x2x2/mb4/1f1b:powersgd(rank=4)"
         )
     dp, pp, tp = (int(match[name]) for name in ("dp", "pp", "tp"))
-    microbatches, schedule, stages = pp, "1f1b", None
+    microbatches, schedule, stages, recompute = pp, "1f1b", None, None
+    number = r"\d+(?:\.\d*)?|\.\d+"
     for part in filter(None, match["parts"].split("/")):
         if part.startswith("mb") and part[2:].isdigit():
             microbatches = int(part[2:])
@@ -56,16 +61,26 @@ def parse_plan(spec: str) -> ParallelPlan:
             stages = tuple(int(b) for b in part[6:].split(","))
         elif part in SCHEDULES:
             schedule = part
+        elif part.startswith("rcsa") and re.fullmatch(number, part[4:]):
+            recompute = ("stage-aware", float(part[4:]))
+        elif part.startswith("rc") and re.fullmatch(rf"(?:{number})(?:,(?:{number}))*", part[2:]):
+            recompute = tuple(float(r) for r in part[2:].split(","))
         else:
             raise ValueError(
                 f"plan {spec!r}: {part!r} is neither mbN (micro-batches), a schedule "
-                f"({', '.join(SCHEDULES)}) nor stagesB,... (where stages start)"
+                f"({', '.join(SCHEDULES)}), stagesB,... (where stages start), rcR,... "
+                "(recomputation ratios) nor rcsaR (stage-aware recomputation)"
             )
     method = match["method"] or "dense"
     options = parse_options(match["options"] or "", spec)
+    chunks = ParallelPlan(pp=pp, microbatches=max(microbatches, pp), schedule=schedule).chunks
+    if recompute and recompute[0] == "stage-aware":
+        recompute = stage_aware_ratios(recompute[1], chunks)
+    elif recompute and len(recompute) == 1:
+        recompute = recompute * chunks
     return ParallelPlan(
         dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule, stages=stages,
-        dp_method=method, dp_options=options,
+        recompute=recompute, dp_method=method, dp_options=options,
     )  # fmt: skip
 
 
@@ -82,6 +97,8 @@ def plan_label(plan: ParallelPlan) -> str:
     label = f"{plan.dp}x{plan.pp}x{plan.tp}/mb{plan.microbatches}/{plan.schedule}"
     if plan.stages:
         label += "/stages" + ",".join(map(str, plan.stages))
+    if plan.recompute:
+        label += "/rc" + ",".join(f"{r:g}" for r in plan.recompute)
     if plan.dp_method != "dense":
         options = ",".join(f"{k}={v}" for k, v in sorted(plan.dp_options.items()))
         label += f":{plan.dp_method}" + (f"({options})" if options else "")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from thinwire.parallel.layout import ModelLayout, submodule
+from thinwire.parallel.recompute import Recomputation, checkpointed_blocks
 
 
 def even_boundaries(blocks: int, stages: int) -> tuple[int, ...]:
@@ -50,10 +51,18 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module | None) -> None
 
 class StageModule(nn.Module):
     """One pipeline stage: the blocks in ``blocks`` of a copy of ``model``, with the
-    embedding if ``first`` and the norm and head if ``last``."""
+    embedding if ``first`` and the norm and head if ``last``; the last ``recompute`` of its
+    blocks run checkpointed (:mod:`thinwire.parallel.recompute`)."""
 
     def __init__(
-        self, model: nn.Module, layout: ModelLayout, blocks: range, *, first: bool, last: bool
+        self,
+        model: nn.Module,
+        layout: ModelLayout,
+        blocks: range,
+        *,
+        first: bool,
+        last: bool,
+        recompute: float = 0.0,
     ) -> None:
         super().__init__()
         kept = copy.deepcopy(model)
@@ -66,6 +75,9 @@ class StageModule(nn.Module):
         self.model = kept
         self.layout = layout
         self.first, self.last, self.block_range = first, last, blocks
+        self.checkpointed = checkpointed_blocks(recompute, len(blocks))
+        """How many of the stage's last blocks run checkpointed."""
+        self.recomputation = Recomputation()
 
     def blocks(self) -> list[nn.Module]:
         """This stage's blocks, in order."""
@@ -75,10 +87,24 @@ class StageModule(nn.Module):
         """Tokens (first stage) or hidden states in; hidden states or logits (last) out."""
         if self.first:
             x = self.layout.embed(self.model, x)
-        for block in self.blocks():
+        blocks = self.blocks()
+        kept = len(blocks) - self.checkpointed
+        for block in blocks[:kept]:
             x = self.layout.run_block(self.model, block, x)
+        if self.checkpointed:
+            segment = blocks[kept:]
+            x = self.recomputation.run(
+                lambda h: self._run_blocks(segment, h),
+                x,
+                [p for block in segment for p in block.parameters()],
+            )
         if self.last:
             x = self.layout.finish(self.model, x)
+        return x
+
+    def _run_blocks(self, blocks: list[nn.Module], x: Tensor) -> Tensor:
+        for block in blocks:
+            x = self.layout.run_block(self.model, block, x)
         return x
 
 

@@ -57,18 +57,39 @@ class StageCost:
     exchange_bytes: int = 0
     """The data-parallel exchange's state (residuals, warm starts)."""
     saved_bytes: int = 0
-    """What one micro-batch's forward saves for the backward pass."""
+    """What one micro-batch's forward saves for the backward pass (of a checkpointed
+    segment, only its input)."""
+    recompute_s: float = 0.0
+    """Compute of one micro-batch's recomputation (its checkpointed blocks' forward)."""
+    recompute_allreduces: tuple[int, ...] = ()
+    """Bytes of each tensor-parallel all-reduce the recomputation repeats."""
+    rebuilt_bytes: int = 0
+    """What a recomputation saves again (its input included): held for one micro-batch,
+    from its recomputation to its backward."""
+    released_at_rebuild: int = 0
+    """What the micro-batch being recomputed no longer holds apart by then: the segment's
+    input (the rebuilt graph holds it) and the saved tensors of the parts after the
+    segment (the head and loss, whose backward ran first)."""
 
     def memory(self, in_flight: int) -> dict[str, int]:
-        """Bytes one rank of this stage holds with ``in_flight`` micro-batches' activations."""
+        """Bytes one rank of this stage holds with ``in_flight`` micro-batches' activations
+        (and, with recomputation, one micro-batch's rebuilt ones)."""
         held = {
             "parameters": self.parameter_bytes,
             "gradients": self.parameter_bytes,
             "optimizer": self.optimizer_state_bytes,
             "exchange": self.exchange_bytes,
-            "activations": self.saved_bytes * in_flight,
+            "activations": self.activation_peak(in_flight),
         }
         return {**held, "total": sum(held.values())}
+
+    def activation_peak(self, in_flight: int) -> int:
+        """The most bytes of saved activations with ``in_flight`` micro-batches held: at the
+        end of the last forward, or while one of them is recomputed."""
+        held = self.saved_bytes * in_flight
+        if not (self.rebuilt_bytes and in_flight):
+            return held
+        return max(held, held - self.released_at_rebuild + self.rebuilt_bytes)
 
 
 @dataclass(frozen=True)
@@ -287,7 +308,11 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     times = [
         StageTimes(
             s.forward_s + sum(links.tp_allreduce_s(b) for b in s.forward_allreduces),
-            s.backward_s + sum(links.tp_allreduce_s(b) for b in s.backward_allreduces),
+            s.backward_s
+            + s.recompute_s
+            + sum(
+                links.tp_allreduce_s(b) for b in (*s.recompute_allreduces, *s.backward_allreduces)
+            ),
         )
         for s in stages
     ]

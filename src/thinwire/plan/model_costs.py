@@ -79,12 +79,13 @@ class ModelCosts:
 
     def stage(
         self, tp: int, microbatch: int, dp: int, method: Method, blocks: range, *,
-        first: bool, last: bool,
+        first: bool, last: bool, recompute: float = 0.0,
     ) -> StageCost:  # fmt: skip
         """One rank's cost of a stage holding ``blocks`` (and the embedding if ``first``,
-        the head and loss if ``last``) under ``tp`` and ``dp`` with ``method``."""
+        the head and loss if ``last``) under ``tp`` and ``dp`` with ``method``,
+        recomputing ``recompute`` of its blocks."""
         parts = self.compute[(tp, microbatch)]
-        cost = compose_stage(parts, blocks, first=first, last=last)
+        cost = compose_stage(parts, blocks, first=first, last=last, recompute=recompute)
         if dp == 1:
             return cost
         exchanges = self.exchange[(tp, dp, method_label(method))]

@@ -26,7 +26,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -443,14 +443,33 @@ def block_profiles(world: Any, plan: Any, repeats: int, optimizer: str) -> Block
     )
 
 
-def compose_stage(parts: BlockProfiles, blocks: range, *, first: bool, last: bool) -> Any:
+def compose_stage(
+    parts: BlockProfiles, blocks: range, *, first: bool, last: bool, recompute: float = 0.0
+) -> Any:
     """The cost of a stage holding ``blocks`` (and the embedding if ``first``, the head
-    and loss if ``last``): its parts' costs added up (:func:`cost_of`)."""
+    and loss if ``last``): its parts' costs added up (:func:`cost_of`). With
+    ``recompute``, its last blocks (:func:`~thinwire.parallel.recompute.checkpointed_blocks`)
+    keep only their input per micro-batch and run their forward again before the backward."""
+    from thinwire.parallel.recompute import checkpointed_blocks
+
     chosen = [*([parts.first] if first else []), *(parts.blocks[i] for i in blocks)]
     chosen += [parts.last] if last else []
     if not chosen:
         raise ValueError("a stage holds at least one block, the embedding or the head")
-    return cost_of(chosen, activation_bytes=0 if last else parts.hidden_bytes)
+    cost = cost_of(chosen, activation_bytes=0 if last else parts.hidden_bytes)
+    count = checkpointed_blocks(recompute, len(blocks))
+    if not count:
+        return cost
+    segment = [parts.blocks[i] for i in blocks[len(blocks) - count :]]
+    rebuilt = sum(p.saved_bytes for p in segment)
+    return replace(
+        cost,
+        saved_bytes=cost.saved_bytes - rebuilt + parts.hidden_bytes,
+        rebuilt_bytes=rebuilt,
+        released_at_rebuild=parts.hidden_bytes + (parts.last.saved_bytes if last else 0),
+        recompute_s=sum(p.forward.compute_s for p in segment),
+        recompute_allreduces=tuple(c.nbytes for p in segment for c in p.forward.collectives),
+    )
 
 
 def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:

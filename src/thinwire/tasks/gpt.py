@@ -36,6 +36,7 @@ class GPTTask(Task):
             rank under data parallelism).
         max_bytes: train on the first this many bytes of the corpus (``None``: all).
         eval_tokens: held-out tokens the metric is measured on.
+        dropout: dropout of the attention's and MLP's outputs in training.
     """
 
     name = "gpt"
@@ -53,6 +54,7 @@ class GPTTask(Task):
     batch_size: int = 32
     max_bytes: int | None = None
     eval_tokens: int = 32_768
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for option in ("vocab", "seq_len", "batch_size", "eval_tokens"):
@@ -64,7 +66,7 @@ class GPTTask(Task):
         """The model's shape."""
         return TransformerConfig(
             style=self.style, vocab=self.vocab, dim=self.dim, layers=self.layers,
-            heads=self.heads, max_seq=self.seq_len,
+            heads=self.heads, max_seq=self.seq_len, dropout=self.dropout,
         )  # fmt: skip
 
     @property

@@ -41,6 +41,9 @@ class TransformerConfig:
     """The MLP's hidden size over ``dim`` (Llama-style: two thirds of it, rounded to 8)."""
     max_seq: int = 256
     """Longest sequence (the GPT's position table has this many rows)."""
+    dropout: float = 0.0
+    """Probability of dropping each feature of the attention's and the MLP's output
+    (before the residual add) in training."""
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
@@ -59,6 +62,8 @@ class TransformerConfig:
                 f"rotary positions need an even head size, got dim / heads = "
                 f"{self.dim // self.heads}"
             )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not self.mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio!r}")
 
@@ -144,11 +149,12 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = norm_layer(config)
         self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         """(batch, seq, dim) -> (batch, seq, dim)."""
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
 class Embedding(nn.Module):
