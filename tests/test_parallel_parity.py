@@ -235,14 +235,18 @@ def train_with_dropout(rank: int, world: int, plan: ParallelPlan):
 
 def test_recomputation_changes_neither_losses_nor_weights(pool8) -> None:
     plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4)
-    recomputing = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4, recompute=(1.0, 0.5))
     expected = pool8.run(train_with_dropout, plain, timeout=300)
-    results = pool8.run(train_with_dropout, recomputing, timeout=300)
-    for (losses, _), (want, _) in zip(results, expected, strict=True):
-        np.testing.assert_allclose(losses, want, rtol=1e-5)
     assert len(set(expected[0][0])) == STEPS  # it trained
-    for name, value in expected[0][1].items():
-        np.testing.assert_allclose(results[0][1][name], value, rtol=1e-5, atol=0, err_msg=name)
+    for schedule in ("1f1b", "shifted-1f1b"):
+        plan = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4, schedule=schedule,
+                            recompute=(1.0, 0.5))  # fmt: skip
+        results = pool8.run(train_with_dropout, plan, timeout=300)
+        for (losses, _), (want, _) in zip(results, expected, strict=True):
+            np.testing.assert_allclose(losses, want, rtol=1e-5, err_msg=schedule)
+        for name, value in expected[0][1].items():
+            np.testing.assert_allclose(
+                results[0][1][name], value, rtol=1e-5, atol=0, err_msg=f"{schedule} {name}"
+            )
 
 
 MEMORY_TASK = {"dim": 64, "layers": 8, "heads": 4, "seq_len": 32, "batch_size": 16,

@@ -10,6 +10,9 @@ return zeros of the real output's shape. Its backward does the same with the bac
 profile and hands each parameter the gradient one real step produced (so compressors see
 real gradients). The CPU stays free while the "accelerator" works, as on a GPU host.
 
+A recomputing stage sleeps its checkpointed blocks' forward again (with their collectives)
+inside the backward, or earlier where the schedule has a recompute action.
+
 Timings only: every step applies the same gradients, so the losses say nothing.
 """
 
@@ -56,6 +59,7 @@ class _SleepingStage(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         sleeper: SleepingStage = ctx.sleeper
+        sleeper.recompute_before_backward()
         replay(sleeper.profile.backward, sleeper.group)
         sleeper.accumulate_gradients()
         if not ctx.input_dtype.is_floating_point:  # tokens
@@ -78,7 +82,25 @@ class SleepingStage:
         self.gradients = gradients
         self.parameters = [p for p in stage.parameters() if id(p) in gradients]
         self.anchor = torch.zeros((), requires_grad=True)
+        self.recomputed_ahead = 0
         stage.forward = self.forward  # type: ignore[method-assign]
+        stage.recompute_next = self.recompute_next  # type: ignore[method-assign]
+
+    def recompute_next(self) -> bool:
+        """A schedule's recompute action: the checkpointed blocks' forward, slept and
+        replayed; the next backward then does not recompute."""
+        if self.profile.recompute is None:
+            return False
+        replay(self.profile.recompute, self.group)
+        self.recomputed_ahead += 1
+        return True
+
+    def recompute_before_backward(self) -> None:
+        """Recompute inside the backward unless a recompute action did already."""
+        if self.recomputed_ahead:
+            self.recomputed_ahead -= 1
+        elif self.profile.recompute is not None:
+            replay(self.profile.recompute, self.group)
 
     def forward(self, x: Tensor) -> Tensor:
         """What the stage would return, after the stage's time."""

@@ -1,5 +1,6 @@
 """Pipeline parallelism: this rank's stages run under one of PyTorch's schedules
-(``torch.distributed.pipelining``: GPipe, 1F1B, interleaved 1F1B) over the ``"pp"`` group.
+(``torch.distributed.pipelining``: GPipe, 1F1B, interleaved 1F1B), or thinwire's shifted 1F1B
+(:mod:`thinwire.parallel.program_schedule`), over the ``"pp"`` group.
 
 A :class:`Pipeline` runs one data-parallel slice of a batch, cut into micro-batches: it
 leaves each parameter's gradient as the mean over the slice (the loss is a mean per
@@ -24,6 +25,7 @@ from torch.distributed.pipelining import (
 
 from thinwire.parallel.loss import LossFn
 from thinwire.parallel.plan import ParallelPlan
+from thinwire.parallel.program_schedule import ProgramSchedule
 from thinwire.parallel.stages import StageModule
 
 SCHEDULE_CLASSES = {
@@ -31,6 +33,8 @@ SCHEDULE_CLASSES = {
     "1f1b": Schedule1F1B,
     "interleaved-1f1b": ScheduleInterleaved1F1B,
 }
+#: schedules PyTorch does not have, run from their programs (:class:`ProgramSchedule`)
+PROGRAMS_ONLY = ("shifted-1f1b",)
 
 
 class Pipeline:
@@ -95,6 +99,17 @@ class ScheduledPipeline(Pipeline):
             PipelineStage(stage, index, plan.chunks, device, group=group)
             for stage, index in zip(stages, indices, strict=True)
         ]
+        if plan.schedule in PROGRAMS_ONLY:
+            (stage, module) = (self.pipeline_stages[0], self.stages[0])
+            self.schedule = ProgramSchedule(
+                stage,
+                plan.microbatches,
+                plan.schedule,
+                loss_fn=loss,
+                # looked up at each call: virtual accelerators replace it
+                recompute=(lambda: module.recompute_next()) if module.checkpointed else None,
+            )
+            return
         schedule_class = SCHEDULE_CLASSES[plan.schedule]
         if plan.schedule == "interleaved-1f1b":
             self.schedule = schedule_class(self.pipeline_stages, plan.microbatches, loss_fn=loss)

@@ -21,9 +21,9 @@ from thinwire.compress.registry import compressor as build_compressor
 from thinwire.parallel.recompute import check_ratios
 
 #: pipeline schedules, by the name a plan gives them (torch.distributed.pipelining's)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "shifted-1f1b")
 #: the model chunks each pipeline rank holds under each schedule
-CHUNKS_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
+CHUNKS_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "shifted-1f1b": 1}
 #: the data-parallel method that sends gradients as they are
 DENSE = "dense"
 
@@ -53,8 +53,9 @@ class ParallelPlan:
     microbatches: int = 1
     """Micro-batches each data-parallel slice of the batch is cut into for the pipeline."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"`` (two model
-    chunks per pipeline rank)."""
+    """Pipeline schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` (two model
+    chunks per pipeline rank) or ``"shifted-1f1b"`` (1F1B recomputing while the gradient
+    travels: :mod:`thinwire.parallel.schedule_programs`)."""
     stages: tuple[int, ...] | None = None
     """Where stages start, as block indices after the first stage (``pp * chunks - 1``
     of them, increasing); ``None``: as even as the blocks allow."""
@@ -98,10 +99,14 @@ class ParallelPlan:
                 )
             ratios = check_ratios(ratios, self.chunks)
             object.__setattr__(self, "recompute", None if not any(ratios) else ratios)
-        if self.schedule == "1f1b" and self.pp > 1 and self.microbatches < self.pp:
+        if (
+            self.schedule in ("1f1b", "shifted-1f1b")
+            and self.pp > 1
+            and self.microbatches < self.pp
+        ):
             raise ValueError(
-                f"schedule '1f1b' needs at least as many micro-batches as pipeline stages "
-                f"(microbatches={self.microbatches} < pp={self.pp}): use microbatches >= "
+                f"schedule {self.schedule!r} needs at least as many micro-batches as pipeline "
+                f"stages (microbatches={self.microbatches} < pp={self.pp}): use microbatches >= "
                 f"{self.pp}, or schedule='gpipe' (what 1F1B becomes with fewer micro-batches)"
             )
         if self.schedule == "interleaved-1f1b":

@@ -102,6 +102,11 @@ class StageModule(nn.Module):
             x = self.layout.finish(self.model, x)
         return x
 
+    def recompute_next(self) -> bool:
+        """Rebuild the oldest micro-batch's checkpointed blocks now (a schedule's recompute
+        action); ``False`` if none is waiting."""
+        return self.recomputation.recompute_next()
+
     def _run_blocks(self, blocks: list[nn.Module], x: Tensor) -> Tensor:
         for block in blocks:
             x = self.layout.run_block(self.model, block, x)

@@ -75,8 +75,8 @@ def _breakdown(chosen: Evaluated) -> list[str]:
     lines = [
         f"  predicted step {p.step_s:.3f} s: compute {p.compute_s:.3f} s, tensor-parallel "
         f"all-reduces {p.tensor_s:.3f} s, pipeline bubble and messages {exposed:.3f} s, "
-        f"data-parallel exchange {p.data_parallel_s:.3f} s, optimizer {p.optimizer_s:.3f} s "
-        "(recomputation: none)",
+        f"data-parallel exchange {p.data_parallel_s:.3f} s, optimizer {p.optimizer_s:.3f} s, "
+        f"recomputation {p.recompute_s:.3f} s",
         f"  peak memory per rank {_gib(p.peak_memory_bytes)}; per stage:",
     ]
     for stage, held in enumerate(p.memory):

@@ -111,6 +111,8 @@ class PlanPrediction:
     stage_end_s: tuple[float, ...]
     memory: tuple[dict[str, int], ...] = ()
     """Per stage, what each of its ranks holds (:meth:`StageCost.memory`)."""
+    recompute_s: float = 0.0
+    """The busiest stage's recomputation (its collectives included)."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -123,6 +125,7 @@ class PlanPrediction:
             "step_s": self.step_s,
             "pipeline_s": self.pipeline_s,
             "compute_s": self.compute_s,
+            "recompute_s": self.recompute_s,
             "tensor_s": self.tensor_s,
             "bubble_s": self.bubble_s,
             "data_parallel_s": self.data_parallel_s,
@@ -308,11 +311,8 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     times = [
         StageTimes(
             s.forward_s + sum(links.tp_allreduce_s(b) for b in s.forward_allreduces),
-            s.backward_s
-            + s.recompute_s
-            + sum(
-                links.tp_allreduce_s(b) for b in (*s.recompute_allreduces, *s.backward_allreduces)
-            ),
+            s.backward_s + sum(links.tp_allreduce_s(b) for b in s.backward_allreduces),
+            s.recompute_s + sum(links.tp_allreduce_s(b) for b in s.recompute_allreduces),
         )
         for s in stages
     ]
@@ -344,14 +344,16 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     busiest = max(range(degrees.pp), key=lambda i: pipeline.stage_busy_s[i])
     m = degrees.microbatches
     compute = m * (stages[busiest].forward_s + stages[busiest].backward_s)
+    recompute = m * times[busiest].recompute_s
     return PlanPrediction(
         step_s=max(ends) + loss,
         pipeline_s=pipeline.step_s,
         compute_s=compute,
         tensor_s=m * tensor[busiest],
-        bubble_s=max(0.0, pipeline.step_s - compute - m * tensor[busiest]),
+        bubble_s=max(0.0, pipeline.step_s - compute - recompute - m * tensor[busiest]),
         data_parallel_s=max(exchange),
         optimizer_s=max(optimizer),
         stage_end_s=tuple(ends),
         memory=tuple(s.memory(n) for s, n in zip(stages, pipeline.peak_in_flight, strict=True)),
+        recompute_s=recompute,
     )

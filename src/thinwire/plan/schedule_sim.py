@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from thinwire.parallel.schedule_programs import BWD, FWD, PROGRAM_SCHEDULES, program
 from thinwire.plan.fluid_wire import FluidWire, ends
 
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
-SIMULATED_SCHEDULES = ("gpipe", "1f1b")
+SIMULATED_SCHEDULES = PROGRAM_SCHEDULES
 
-_FWD, _BWD = "fwd", "bwd"
+_FWD, _BWD = FWD, BWD
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,12 @@ class StageTimes:
 
     forward_s: float
     backward_s: float
+    recompute_s: float = 0.0
+    """One micro-batch's recomputation (its checkpointed blocks' forward again); where
+    it runs is the schedule's (:mod:`thinwire.parallel.schedule_programs`)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s"):
+        for name in ("forward_s", "backward_s", "recompute_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"a stage's {name} must be >= 0 seconds, got {value!r}")
@@ -90,93 +94,6 @@ class PipelineTimes:
         """Time the busiest stage spends waiting (for data, or for the link)."""
         busiest = max(range(len(self.stage_busy_s)), key=self.stage_busy_s.__getitem__)
         return self.stage_end_s[busiest] - self.stage_busy_s[busiest]
-
-
-# a program's instructions: ("compute", seconds) | ("post", key, role) | ("wait", keys)
-_Key = tuple[str, int, int]  # (direction, boundary, micro-batch)
-
-
-def _gpipe(stage: int, stages: int, m: int) -> Iterator[tuple]:
-    first, last = stage == 0, stage == stages - 1
-    sends: list[_Key] = []
-    for i in range(m):
-        if not first:
-            yield ("post", (_FWD, stage - 1, i), "recv")
-            yield ("wait", [(_FWD, stage - 1, i)])
-        yield ("compute", "F")
-        if not last:
-            yield ("post", (_FWD, stage, i), "send")
-            sends.append((_FWD, stage, i))
-    yield ("wait", sends)
-    sends = []
-    for i in range(m):
-        if not last:
-            yield ("post", (_BWD, stage, i), "recv")
-            yield ("wait", [(_BWD, stage, i)])
-        yield ("compute", "B")
-        if not first:
-            yield ("post", (_BWD, stage - 1, i), "send")
-            sends.append((_BWD, stage - 1, i))
-    yield ("wait", sends)
-
-
-def _one_f_one_b(stage: int, stages: int, m: int) -> Iterator[tuple]:
-    first, last = stage == 0, stage == stages - 1
-    warmup = min(m, stages - stage)
-    fwd = bwd = 0
-    send_work: list[_Key] = []
-    fwd_sends: list[_Key] = []
-    for _ in range(warmup):
-        if not first:
-            yield ("post", (_FWD, stage - 1, fwd), "recv")
-            yield ("wait", [(_FWD, stage - 1, fwd)])
-        yield ("compute", "F")
-        yield ("wait", send_work)
-        fwd_sends = [] if last else [(_FWD, stage, fwd)]
-        if fwd != warmup - 1:
-            for key in fwd_sends:
-                yield ("post", key, "send")
-            send_work, fwd_sends = fwd_sends, []
-        fwd += 1
-    while True:
-        bwd_recvs = [] if last else [(_BWD, stage, bwd)]
-        for key in fwd_sends:
-            yield ("post", key, "send")
-        for key in bwd_recvs:
-            yield ("post", key, "recv")
-        yield ("wait", fwd_sends + bwd_recvs)
-        yield ("compute", "B")
-        bwd_sends = [] if first else [(_BWD, stage - 1, bwd)]
-        bwd += 1
-        if fwd == m:
-            break
-        fwd_recvs = [] if first else [(_FWD, stage - 1, fwd)]
-        for key in bwd_sends:
-            yield ("post", key, "send")
-        for key in fwd_recvs:
-            yield ("post", key, "recv")
-        yield ("wait", bwd_sends + fwd_recvs)
-        yield ("compute", "F")
-        fwd_sends = [] if last else [(_FWD, stage, fwd)]
-        fwd += 1
-    for key in bwd_sends:
-        yield ("post", key, "send")
-    send_work = bwd_sends
-    while bwd < m:
-        recvs = [] if last else [(_BWD, stage, bwd)]
-        for key in recvs:
-            yield ("post", key, "recv")
-        yield ("wait", recvs)
-        yield ("compute", "B")
-        yield ("wait", send_work)
-        send_work = [] if first else [(_BWD, stage - 1, bwd)]
-        for key in send_work:
-            yield ("post", key, "send")
-        bwd += 1
-    yield ("wait", send_work)
-
-
-_PROGRAMS = {"gpipe": _gpipe, "1f1b": _one_f_one_b}
 
 
 _Wired = tuple[int, str, int, int]  # (replica, direction, boundary, micro-batch)
@@ -268,7 +185,7 @@ def simulate(
     ``"fifo"`` (one message at a time, in arrival order: the default, closer on the 27
     sweep runs of docs/measurements.md) or ``"fluid"`` (the messages on a link progress
     together, each at its share: :mod:`thinwire.plan.fluid_wire`)."""
-    if schedule not in _PROGRAMS:
+    if schedule not in SIMULATED_SCHEDULES:
         raise ValueError(
             f"the planner simulates the schedules {', '.join(SIMULATED_SCHEDULES)}, not "
             f"{schedule!r}: plan with one of those"
@@ -317,7 +234,10 @@ class _EventLoop:
         count = len(stages)
         self.actors = [(r, s) for r in range(replicas) for s in range(count)]
         self.programs = {
-            actor: _PROGRAMS[schedule](actor[1], count, microbatches) for actor in self.actors
+            actor: iter(
+                program(schedule, actor[1], count, microbatches, stages[actor[1]].recompute_s > 0)
+            )
+            for actor in self.actors
         }
         self.clock = dict.fromkeys(self.actors, 0.0)
         self.busy = dict.fromkeys(self.actors, 0.0)
@@ -374,9 +294,11 @@ class _EventLoop:
         for op in self.programs[actor]:
             if op[0] == "compute":
                 times = self.stages[stage]
-                seconds = times.forward_s if op[1] == "F" else times.backward_s
+                seconds = {"F": times.forward_s, "R": times.recompute_s, "B": times.backward_s}[
+                    op[1]
+                ]
                 self.busy[actor] += seconds
-                self.in_flight[actor] += 1 if op[1] == "F" else -1
+                self.in_flight[actor] += {"F": 1, "R": 0, "B": -1}[op[1]]
                 self.peak[actor] = max(self.peak[actor], self.in_flight[actor])
                 self._push(self.clock[actor] + seconds, "run", actor)
                 return

@@ -96,6 +96,9 @@ class StageProfile:
     """The data-parallel exchange's state on this rank (residuals, warm starts)."""
     optimizer_state_bytes: int = 0
     """The optimizer's state over this rank's shard after a step."""
+    recompute: Pass | None = None
+    """The recomputation of one micro-batch (its checkpointed blocks' forward again),
+    when the plan recomputes on this stage."""
 
     @property
     def tp_allreduce_bytes(self) -> list[int]:
@@ -225,17 +228,40 @@ def _profile_in_fake_world(
         blocks = len(submodule(world.model, world.layout.blocks))
         ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
         return [
-            profile_stage(
-                index,
-                stage_of(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
-                world.loss,
-                world.batch,
-                plan,
-                repeats,
-                optimizer,
+            replace(
+                profile_stage(
+                    index,
+                    stage_of(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
+                    world.loss,
+                    world.batch,
+                    plan,
+                    repeats,
+                    optimizer,
+                ),
+                recompute=_recompute_pass(world, plan, index, kept, repeats),
             )
             for index, kept in enumerate(ranges)
         ]
+
+
+def _recompute_pass(world: Any, plan: Any, index: int, kept: range, repeats: int) -> Pass | None:
+    """The forward of the blocks stage ``index`` checkpoints under ``plan`` (what its
+    recomputation runs), timed with its collectives; ``None`` if it checkpoints none."""
+    from thinwire.parallel.recompute import checkpointed_blocks
+
+    count = checkpointed_blocks(plan.recompute[index], len(kept)) if plan.recompute else 0
+    if not count:
+        return None
+    segment = stage_of(world, plan, kept[len(kept) - count :], first=False, last=False)
+    tokens = world.batch[0]
+    passes = []
+    for _ in range(repeats + 1):
+        x = torch.randn(tokens.shape[0], tokens.shape[1], layout_dim(segment.model))
+        log = _CollectiveLog()
+        with log:
+            segment(x.requires_grad_())
+        passes.append(log.finish())
+    return _median_pass(passes[1:])
 
 
 def profile_stage(
