@@ -121,7 +121,8 @@ TINY = {"dim": 32, "layers": 2, "heads": 4, "seq_len": 16, "batch_size": 8, "voc
 
 
 def test_a_stage_costs_what_its_parts_cost(tmp_path, monkeypatch) -> None:
-    from thinwire.plan.stage_profile import compose_stage, profile_blocks, profile_plan
+    from thinwire.plan.block_profiles import compose_stage, profile_blocks
+    from thinwire.plan.stage_profile import profile_plan
 
     monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path))
     plan = parse_plan("2x2x2/mb2:powersgd(rank=2)")

@@ -271,9 +271,9 @@ def saved_at_second_step(rank: int, world: int, plan: ParallelPlan) -> int:
 
 def test_saved_activations_per_stage_are_predicted_within_5_percent(pool8, tmp_path) -> None:
     from thinwire.parallel.stages import even_boundaries, stage_ranges
+    from thinwire.plan.block_profiles import compose_stage, profile_blocks
     from thinwire.plan.recompute_choice import least_recomputation
     from thinwire.plan.split import in_flight
-    from thinwire.plan.stage_profile import compose_stage, profile_blocks
 
     parts = profile_blocks(
         "gpt", MEMORY_TASK, ParallelPlan(dp=2, pp=4, microbatches=4), microbatch=2, repeats=1

@@ -273,3 +273,52 @@ def test_parallelize_auto_says_what_it_needs():
         thinwire.parallelize(model, "two by two")
     with pytest.raises(ValueError, match="example_inputs must be the global batch"):
         ModelSource.of_module(model, (torch.zeros(8), torch.zeros(8)))
+
+
+def test_a_plan_over_the_limit_recomputes_the_least_each_stage_needs(tiny):
+    from dataclasses import replace
+
+    probe, result, costs, _ = tiny
+    piped = [e for e in result.ranked if e.plan.pp > 1 and e.plan.schedule == "1f1b"]
+    target = min(piped, key=lambda e: e.prediction.step_s)
+    limit = target.prediction.peak_memory_bytes - 1  # the plan no longer fits as it is
+    without = search(costs, probe, limit, replace(SPACE, recompute=False))
+    limited = search(costs, probe, limit, SPACE)
+    assert all(e.plan.recompute is None for e in without.ranked)
+    assert all(e.plan.schedule != "shifted-1f1b" for e in without.ranked + without.too_large)
+    recomputing = [e for e in limited.ranked if e.plan.recompute]
+    assert recomputing and all(e.fits for e in recomputing)
+    for evaluated in recomputing:
+        assert evaluated.prediction.recompute_s > 0
+        assert not least_is_less(costs, evaluated.plan, limit)
+    shifted = {e.label for e in recomputing if e.plan.schedule == "shifted-1f1b"}
+    plain = {e.label.replace("shifted-1f1b", "1f1b") for e in recomputing}
+    assert shifted and {s.replace("shifted-1f1b", "1f1b") for s in shifted} <= plain
+    by_label = {e.label: e for e in recomputing}
+    for label in shifted:
+        # recomputing while the gradient travels is never slower than after it arrives
+        one = by_label[label.replace("shifted-1f1b", "1f1b")].prediction.step_s
+        assert by_label[label].prediction.step_s <= one + 1e-9
+
+
+def least_is_less(costs, plan, limit) -> bool:
+    """Whether some recomputing stage of ``plan`` would fit ``limit`` recomputing one block
+    fewer (then the search did not choose the least)."""
+    from thinwire.parallel.recompute import checkpointed_blocks
+    from thinwire.parallel.stages import stage_ranges
+    from thinwire.plan.split import in_flight
+
+    ranges = stage_ranges(costs.blocks, plan.stages or ())
+    mb = costs.batch_size // (plan.dp * plan.microbatches)
+    method = (plan.dp_method, dict(plan.dp_options))
+    for s, blocks in enumerate(ranges):
+        count = checkpointed_blocks(plan.recompute[s], len(blocks))
+        if not count:
+            continue
+        fewer = costs.stage(plan.tp, mb, plan.dp, method, blocks, first=s == 0,
+                            last=s == plan.pp - 1, recompute=(count - 1) / len(blocks))  # fmt: skip
+        held_in = in_flight(plan.schedule, s, plan.pp, plan.microbatches)
+        held = fewer.memory(held_in)["total"]
+        if held <= limit:
+            return True
+    return False

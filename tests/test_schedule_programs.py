@@ -40,6 +40,8 @@ def test_1f1b_recomputes_after_the_gradient_arrives_and_shifted_before() -> None
 def test_without_recomputation_shifted_1f1b_is_1f1b() -> None:
     for stage in range(4):
         assert program("shifted-1f1b", stage, 4, 8) == program("1f1b", stage, 4, 8)
+    # the last stage has no gradient to wait for: it recomputes inside its backward
+    assert program("shifted-1f1b", 3, 4, 8, True) == program("1f1b", 3, 4, 8, True)
 
 
 def test_an_unknown_schedule_is_named() -> None:
@@ -80,3 +82,56 @@ def test_recomputation_does_not_count_as_a_microbatch_in_flight() -> None:
     times = [StageTimes(1.0, 2.0, 1.0)] * 4
     result = simulate("shifted-1f1b", 8, times, no_wire(4), no_wire(4))
     assert result.peak_in_flight == (4, 3, 2, 1)
+
+
+def sleeping_stage(recompute: bool):
+    """A virtual accelerator over a small stage: forward 10 ms, recomputation 5 ms,
+    backward 20 ms (no collectives)."""
+    import torch
+
+    from thinwire.bench.sleeping_stages import SleepingStage
+    from thinwire.parallel.layout import read_layout
+    from thinwire.parallel.stages import StageModule
+    from thinwire.plan.stage_profile import Pass, StageProfile
+    from thinwire.tasks.transformer import TransformerConfig, TransformerLM
+
+    model = TransformerLM(TransformerConfig(dim=16, layers=2, heads=2, vocab=32, max_seq=8))
+    stage = StageModule(model, read_layout(model), range(2), first=False, last=False,
+                        recompute=1.0 if recompute else 0.0)  # fmt: skip
+    profile = StageProfile(
+        index=1, forward=Pass((), 0.01), backward=Pass((), 0.02), output_shape=(2, 8, 16),
+        output_dtype="torch.float32", parameter_shapes=(),
+        recompute=Pass((), 0.005) if recompute else None,
+    )  # fmt: skip
+    sleeper = SleepingStage(stage, profile, {}, None)
+    return stage, sleeper, torch
+
+
+def test_a_virtual_accelerator_recomputes_in_the_backward_or_when_asked() -> None:
+    stage, sleeper, torch = sleeping_stage(recompute=True)
+    x = torch.zeros(2, 8, 16, requires_grad=True)
+    stage(x).sum().backward()  # recomputes inside the backward
+    assert [kind for kind, *_ in sleeper.events] == ["F", "R", "B"]
+    sleeper.events.clear()
+    out = stage(x)
+    assert stage.recompute_next()  # a schedule's recompute action, before the gradient
+    out.sum().backward()  # does not recompute again
+    assert [kind for kind, *_ in sleeper.events] == ["F", "R", "B"]
+    seconds = {kind: end - start for kind, start, end in sleeper.events}
+    assert seconds["R"] >= 0.005 and seconds["B"] >= 0.02 and seconds["F"] >= 0.01
+
+
+def test_a_stage_that_recomputes_nothing_answers_no_to_a_recompute_action() -> None:
+    stage, sleeper, torch = sleeping_stage(recompute=False)
+    assert not stage.recompute_next()
+    stage(torch.zeros(2, 8, 16, requires_grad=True)).sum().backward()
+    assert [kind for kind, *_ in sleeper.events] == ["F", "B"]
+
+
+def test_the_simulator_draws_each_stage_s_computes_in_time_order() -> None:
+    times = [StageTimes(1.0, 2.0, 1.0)] * 2
+    result = simulate("shifted-1f1b", 2, times, no_wire(2), no_wire(2))
+    stage0 = [(kind, mb) for stage, kind, mb, *_ in result.timeline if stage == 0]
+    assert stage0 == [("F", 0), ("F", 1), ("R", 0), ("B", 0), ("R", 1), ("B", 1)]
+    ends = [end for *_, end in result.timeline]
+    assert max(ends) == pytest.approx(result.step_s)

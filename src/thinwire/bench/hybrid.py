@@ -177,9 +177,10 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
             )  # fmt: skip
             placement = Placement.on(stack.enter_context(cluster))
         pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))
+        shared: dict = {}  # stage profiles, shared by plans differing in schedule only
         for plan in config.plans:
             if config.compute == "sleep":
-                record = time_on_sleeping_ranks(pool, config, plan, report)
+                record = time_on_sleeping_ranks(pool, config, plan, report, shared)
             else:
                 record = _train(pool, config, plan, report)
             records.append(record)
@@ -203,13 +204,15 @@ def _train(pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: An
 
 
 def time_on_sleeping_ranks(
-    pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: Any
-) -> dict:
-    """Profile ``plan``'s stages, then time it on ``pool``'s ranks as virtual accelerators."""
+    pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: Any,
+    shared: dict | None = None,
+) -> dict:  # fmt: skip
+    """Profile ``plan``'s stages (or take those of an earlier plan of the same shape from
+    ``shared``), then time it on ``pool``'s ranks as virtual accelerators."""
     from thinwire.bench.hybrid_sleep import profile, sleeping_record, time_plan
 
     report(f"profiling {plan_label(plan)}'s stages, then {config.steps} sleeping steps")
-    profiles = profile(config, plan)
+    profiles = profile(config, plan, shared)
     results = pool.run(time_plan, config, plan, profiles, timeout=config.timeout_s)
     record = sleeping_record(config, plan, profiles, results)
     report(

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.parallel.plan_spec import parse_plan
+from thinwire.plan.block_profiles import cost_of
 from thinwire.plan.hybrid_cost import Degrees, StageCost, predict_plan
 from thinwire.plan.probe import LinkProbe
-from thinwire.plan.stage_profile import StageProfile, cost_of, profile_plan
+from thinwire.plan.stage_profile import StageProfile, profile_plan
 from thinwire.tasks import task
 
 
@@ -35,7 +36,12 @@ def stage_costs(
         cost = cost_of([profile], profile.activation_bytes)
         if compute is not None:
             given = next(c for c in compute if c["stage"] == profile.index)
-            cost = replace(cost, forward_s=given["forward"], backward_s=given["backward"])
+            cost = replace(
+                cost,
+                forward_s=given["forward"],
+                backward_s=given["backward"],
+                recompute_s=given.get("recompute", cost.recompute_s),
+            )
         costs.append(cost)
     return costs
 

@@ -36,15 +36,38 @@ def microbatch_size(config: Any, plan: ParallelPlan) -> int:
     return batch // (plan.dp * plan.microbatches)
 
 
-def profile(config: Any, plan: ParallelPlan) -> list[StageProfile]:
-    """Every stage of ``plan`` on the task's model, one micro-batch each."""
-    return profile_plan(
-        config.task,
-        config.task_options,
-        plan,
-        microbatch_size(config, plan),
-        optimizer=config.optimizer,
-    )
+def profile(
+    config: Any, plan: ParallelPlan, shared: dict[tuple, list[StageProfile]] | None = None
+) -> list[StageProfile]:
+    """Every stage of ``plan`` on the task's model, one micro-batch each. Plans of a sweep
+    that differ only in their schedule or recomputation share one profile through
+    ``shared`` (each its own recomputation's passes): compared side by side, they sleep the
+    same compute rather than each its own profile's (which differ by some 10 % from run to
+    run on a shared machine)."""
+    key = (plan.dp, plan.pp, plan.tp, plan.chunks, plan.microbatches, plan.stages,
+           plan.dp_method, tuple(sorted(plan.dp_options.items())))  # fmt: skip
+    if shared is None or key not in shared:
+        profiles = profile_plan(
+            config.task,
+            config.task_options,
+            plan,
+            microbatch_size(config, plan),
+            optimizer=config.optimizer,
+            segments=shared is not None,
+        )
+        if shared is None:
+            return profiles
+        shared[key] = profiles
+    from thinwire.parallel.layout import read_layout, submodule
+    from thinwire.parallel.stages import even_boundaries, stage_ranges
+
+    model = task(config.task, **config.task_options).build_model()
+    blocks = len(submodule(model, read_layout(model).blocks))
+    ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
+    return [
+        p.recomputing(len(ranges[p.index]), plan.recompute[p.index] if plan.recompute else 0.0)
+        for p in shared[key]
+    ]
 
 
 def time_plan(
@@ -65,10 +88,12 @@ def time_plan(
     with saved:
         gradients = capture_gradients(trainer, inputs, targets)
     real = sent_now() - before
-    sleep_stages(trainer, profiles, gradients)
+    sleepers = sleep_stages(trainer, profiles, gradients)
     seconds, within, between = [], [], []
     for _ in range(config.steps):
         before = sent_now()
+        for sleeper in sleepers:
+            sleeper.events.clear()
         start = time.perf_counter()
         trainer.step(inputs, targets)
         seconds.append(time.perf_counter() - start)
@@ -84,6 +109,11 @@ def time_plan(
         "sent_between_hosts": statistics.mean(between[timed]),
         "memory": rank_memory(trainer, saved.peak_bytes),
         "real_step_sent": real.within_host + real.between_hosts,
+        "timeline": [  # the last step's computes, from its start
+            (sleeper.profile.index, kind, begin - start, end - start)
+            for sleeper in sleepers
+            for kind, begin, end in sleeper.events
+        ],
     }
 
 
@@ -125,7 +155,12 @@ def sleeping_record(
         "steps_s": results[0]["steps_s"],
         "tokens_per_s": tokens / step_s,
         "stage_compute_s": [
-            {"stage": p.index, "forward": p.forward.compute_s, "backward": p.backward.compute_s}
+            {
+                "stage": p.index,
+                "forward": p.forward.compute_s,
+                "backward": p.backward.compute_s,
+                "recompute": p.recompute.compute_s if p.recompute else 0.0,
+            }
             for p in sorted(profiles, key=lambda p: p.index)
         ],
         "sent_per_rank": [
@@ -140,6 +175,7 @@ def sleeping_record(
         "real_forward_backward_sent": sum(r.get("real_step_sent", 0) for r in results),
         "memory_per_rank": [r["memory"] for r in results],
         "peak_memory_bytes": max(r["memory"]["total"] for r in results),
+        "timelines": [r.get("timeline", []) for r in results],
     }
 
 

@@ -18,7 +18,9 @@ Timings only: every step applies the same gradients, so the losses say nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,14 +55,16 @@ class _SleepingStage(torch.autograd.Function):
         ctx.sleeper = sleeper
         ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
         profile = sleeper.profile
-        replay(profile.forward, sleeper.group)
+        with sleeper.noting("F"):
+            replay(profile.forward, sleeper.group)
         return torch.zeros(profile.output_shape, dtype=getattr(torch, profile.output_dtype[6:]))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         sleeper: SleepingStage = ctx.sleeper
         sleeper.recompute_before_backward()
-        replay(sleeper.profile.backward, sleeper.group)
+        with sleeper.noting("B"):
+            replay(sleeper.profile.backward, sleeper.group)
         sleeper.accumulate_gradients()
         if not ctx.input_dtype.is_floating_point:  # tokens
             return None, None, None
@@ -83,6 +87,8 @@ class SleepingStage:
         self.parameters = [p for p in stage.parameters() if id(p) in gradients]
         self.anchor = torch.zeros((), requires_grad=True)
         self.recomputed_ahead = 0
+        self.events: list[tuple[str, float, float]] = []
+        """What the accelerator ran: ``("F" | "R" | "B", start, end)``, perf_counter s."""
         stage.forward = self.forward  # type: ignore[method-assign]
         stage.recompute_next = self.recompute_next  # type: ignore[method-assign]
 
@@ -91,16 +97,25 @@ class SleepingStage:
         replayed; the next backward then does not recompute."""
         if self.profile.recompute is None:
             return False
-        replay(self.profile.recompute, self.group)
+        with self.noting("R"):
+            replay(self.profile.recompute, self.group)
         self.recomputed_ahead += 1
         return True
+
+    @contextlib.contextmanager
+    def noting(self, kind: str) -> Iterator[None]:
+        """Note the time the block takes as a ``kind`` compute in :attr:`events`."""
+        start = time.perf_counter()
+        yield
+        self.events.append((kind, start, time.perf_counter()))
 
     def recompute_before_backward(self) -> None:
         """Recompute inside the backward unless a recompute action did already."""
         if self.recomputed_ahead:
             self.recomputed_ahead -= 1
         elif self.profile.recompute is not None:
-            replay(self.profile.recompute, self.group)
+            with self.noting("R"):
+                replay(self.profile.recompute, self.group)
 
     def forward(self, x: Tensor) -> Tensor:
         """What the stage would return, after the stage's time."""

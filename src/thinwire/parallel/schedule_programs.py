@@ -18,8 +18,9 @@ with Merak's shifted critical path (Lai et al., TPDS 2023): a stage posts the re
 micro-batch's gradient, recomputes that micro-batch while the gradient travels, and only
 then waits for it, so the recomputation leaves the critical path; the first backward's
 recomputation moves into the warm-up's wait for the first gradient. The last stage, whose
-gradient is its own loss, has nothing to wait for (stage-aware ratios recompute nothing
-there).
+gradient is its own loss, has nothing to wait for: it recomputes (if at all: stage-aware
+ratios mostly spare it) inside its backward, as 1F1B does, after the head's backward has
+freed the head's activations.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def _one_f_one_b(
     stage: int, stages: int, m: int, recompute: bool, shifted: bool
 ) -> Iterator[Action]:
     first, last = stage == 0, stage == stages - 1
-    early = recompute and shifted  # recompute while the gradient travels
+    # recompute while the gradient travels; the last stage has none to wait for, and
+    # recomputes inside its backward, once the head's backward has freed its activations
+    early = recompute and shifted and not last
     warmup = min(m, stages - stage)
     fwd = bwd = 0
     send_work: list[tuple] = []

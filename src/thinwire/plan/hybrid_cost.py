@@ -66,10 +66,12 @@ class StageCost:
     rebuilt_bytes: int = 0
     """What a recomputation saves again (its input included): held for one micro-batch,
     from its recomputation to its backward."""
-    released_at_rebuild: int = 0
-    """What the micro-batch being recomputed no longer holds apart by then: the segment's
-    input (the rebuilt graph holds it) and the saved tensors of the parts after the
-    segment (the head and loss, whose backward ran first)."""
+    segment_input_bytes: int = 0
+    """The checkpointed segment's input per micro-batch (kept; the rebuilt graph holds it
+    again, counted once)."""
+    after_segment_bytes: int = 0
+    """What the parts after the segment save (the head and loss, on the last stage),
+    freed by their backward before the segment is recomputed."""
 
     def memory(self, in_flight: int) -> dict[str, int]:
         """Bytes one rank of this stage holds with ``in_flight`` micro-batches' activations
@@ -85,11 +87,13 @@ class StageCost:
 
     def activation_peak(self, in_flight: int) -> int:
         """The most bytes of saved activations with ``in_flight`` micro-batches held: at the
-        end of the last forward, or while one of them is recomputed."""
+        end of the last forward, or while one of them is recomputed (inside its backward
+        on the last stage, after the head's; every schedule recomputes there so)."""
         held = self.saved_bytes * in_flight
         if not (self.rebuilt_bytes and in_flight):
             return held
-        return max(held, held - self.released_at_rebuild + self.rebuilt_bytes)
+        released = self.segment_input_bytes + self.after_segment_bytes
+        return max(held, held - released + self.rebuilt_bytes)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class PlanPrediction:
     """Per stage, what each of its ranks holds (:meth:`StageCost.memory`)."""
     recompute_s: float = 0.0
     """The busiest stage's recomputation (its collectives included)."""
+    timeline: tuple[tuple[int, str, int, float, float], ...] = ()
+    """The simulated pipeline's computes (:attr:`PipelineTimes.timeline`)."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -356,4 +362,5 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         stage_end_s=tuple(ends),
         memory=tuple(s.memory(n) for s, n in zip(stages, pipeline.peak_in_flight, strict=True)),
         recompute_s=recompute,
+        timeline=pipeline.timeline,
     )

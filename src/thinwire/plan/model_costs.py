@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from thinwire.data_parallel.buckets import MB
+from thinwire.plan.block_profiles import BlockProfiles, compose_stage
 from thinwire.plan.cost import BucketCost, MethodCost
 from thinwire.plan.hybrid_cost import StageCost
 from thinwire.plan.model_source import ModelSource
 from thinwire.plan.network import Collective
 from thinwire.plan.profile_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB
-from thinwire.plan.stage_profile import BlockProfiles, compose_stage
 
 #: a bucket size no part reaches: each part's exchange is measured as one bucket
 ONE_BUCKET_MB = 1e6
@@ -173,7 +173,8 @@ def _profile_tp(
     from thinwire.parallel.layout import read_layout, submodule
     from thinwire.parallel.plan import ParallelPlan
     from thinwire.parallel.tensor import check_tensor_parallel
-    from thinwire.plan.stage_profile import block_profiles, fake_world
+    from thinwire.plan.block_profiles import block_profiles
+    from thinwire.plan.stage_profile import fake_world
 
     model, _ = source.build()
     layout = read_layout(model)

@@ -9,7 +9,8 @@ than off the first stage's by formula.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def least_recomputation(bytes_at: Callable[[float], int], blocks: int, limit: int) -> float | None:
@@ -23,3 +24,40 @@ def least_recomputation(bytes_at: Callable[[float], int], blocks: int, limit: in
         if bytes_at(fraction) <= limit:
             return fraction
     return None
+
+
+def stage_memory(
+    parts: Any, ranges: Sequence[range], schedule: str, microbatches: int,
+    ratios: Sequence[float],
+) -> list[int]:  # fmt: skip
+    """Each stage's peak bytes per rank (:meth:`~thinwire.plan.hybrid_cost.StageCost.memory`)
+    with the blocks ``ranges`` of profiled ``parts`` and recomputation ``ratios``."""
+    from thinwire.plan.block_profiles import compose_stage
+    from thinwire.plan.split import in_flight
+
+    count = len(ranges)
+    return [
+        compose_stage(parts, blocks, first=s == 0, last=s == count - 1, recompute=ratios[s]).memory(
+            in_flight(schedule, s, count, microbatches)
+        )["total"]
+        for s, blocks in enumerate(ranges)
+    ]
+
+
+def least_ratios(
+    parts: Any, ranges: Sequence[range], schedule: str, microbatches: int, limit: int
+) -> tuple[float, ...] | None:
+    """Per stage, the least recomputation under ``limit`` bytes per rank (``None`` if some
+    stage does not fit even recomputing every block)."""
+    ratios = []
+    for s, blocks in enumerate(ranges):
+
+        def held(ratio: float, s: int = s) -> int:
+            each = [ratio if t == s else 0.0 for t in range(len(ranges))]
+            return stage_memory(parts, ranges, schedule, microbatches, each)[s]
+
+        ratio = least_recomputation(held, len(blocks), limit)
+        if ratio is None:
+            return None
+        ratios.append(ratio)
+    return tuple(ratios)

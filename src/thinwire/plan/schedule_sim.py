@@ -83,6 +83,8 @@ class PipelineTimes:
     peak_in_flight: tuple[int, ...] = ()
     """Per stage, the most micro-batches whose forward ran and backward did not yet: the
     activations it holds at once (GPipe: all of them; 1F1B: ``min(m, stages - stage)``)."""
+    timeline: tuple[tuple[int, str, int, float, float], ...] = ()
+    """The first replica's computes: ``(stage, "F" | "R" | "B", micro-batch, start, end)``."""
 
     @property
     def step_s(self) -> float:
@@ -243,6 +245,7 @@ class _EventLoop:
         self.busy = dict.fromkeys(self.actors, 0.0)
         self.in_flight = dict.fromkeys(self.actors, 0)
         self.peak = dict.fromkeys(self.actors, 0)
+        self.timeline: list[tuple[int, str, int, float, float]] = []
         self.waiting: dict[tuple[int, int], list[_Wired]] = {}
         self.finished: set[tuple[int, int]] = set()
         self.events: list[tuple[float, int, str, object]] = []
@@ -282,6 +285,7 @@ class _EventLoop:
             tuple(max(self.clock[(r, s)] for r in replicas) for s in range(count)),
             tuple(self.busy[(0, s)] for s in range(count)),
             tuple(self.peak[(0, s)] for s in range(count)),
+            tuple(sorted(self.timeline, key=lambda event: (event[0], event[3]))),
         )
 
     def _settled(self, actor: tuple[int, int]) -> float | None:
@@ -298,6 +302,9 @@ class _EventLoop:
                     op[1]
                 ]
                 self.busy[actor] += seconds
+                if replica == 0:
+                    start = self.clock[actor]
+                    self.timeline.append((stage, op[1], op[2], start, start + seconds))
                 self.in_flight[actor] += {"F": 1, "R": 0, "B": -1}[op[1]]
                 self.peak[actor] = max(self.peak[actor], self.in_flight[actor])
                 self._push(self.clock[actor] + seconds, "run", actor)

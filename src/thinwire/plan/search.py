@@ -4,11 +4,14 @@ predicted on the probed links, ranked under a memory limit.
 The space (:func:`shapes`): degrees ``dp x pp x tp`` whose product is the world, tensor
 parallelism kept inside a host (its all-reduces run per layer: only fast links can carry
 them), no more stages than blocks; micro-batches from :attr:`SearchSpace.microbatches`
-that split the global batch evenly; GPipe, and 1F1B where it applies (``m >= pp``); the
-data-parallel method among :attr:`SearchSpace.methods` (only dense without data
-parallelism). For each, :func:`thinwire.plan.split.best_split` cuts the stages (Alpa's
-objective, every stage within the limit), :func:`thinwire.plan.hybrid_cost.predict_plan`
-predicts the step and the memory of every rank. Plans that fit are ranked by predicted
+that split the global batch evenly; GPipe, and 1F1B and shifted 1F1B where they apply
+(``m >= pp``); the data-parallel method among :attr:`SearchSpace.methods` (only dense
+without data parallelism). For each, :func:`thinwire.plan.split.best_split` cuts the stages
+(Alpa's objective, every stage within the limit); where no split fits, each stage of the
+fastest split recomputes the least of its blocks that brings it under the limit (Merak's
+stage-aware recomputation; shifted 1F1B is searched only then, since without recomputation
+it is 1F1B); :func:`thinwire.plan.hybrid_cost.predict_plan` predicts the step and the
+memory of every rank. Plans that fit are ranked by predicted
 step; those that do not, by how far over they are.
 
 Everything here is arithmetic on profiles (:class:`thinwire.plan.model_costs.ModelCosts`)
@@ -26,7 +29,8 @@ from thinwire.parallel.plan_spec import plan_label
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, PlanPrediction, StageCost, predict_plan
 from thinwire.plan.model_costs import Method, ModelCosts
 from thinwire.plan.probe import LinkProbe
-from thinwire.plan.split import PartCost, Split, best_split
+from thinwire.plan.recompute_choice import least_recomputation
+from thinwire.plan.split import PartCost, Split, best_split, in_flight
 
 #: the data-parallel methods searched by default
 DEFAULT_METHODS: tuple[Method, ...] = (
@@ -41,8 +45,11 @@ class SearchSpace:
     """What the search may choose besides the degrees."""
 
     microbatches: tuple[int, ...] = (1, 2, 4, 8)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "shifted-1f1b")
     methods: tuple[Method, ...] = DEFAULT_METHODS
+    recompute: bool = True
+    """Whether a plan over the memory limit may recompute (each stage the least of its
+    blocks that fits: :mod:`thinwire.plan.recompute_choice`)."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +67,16 @@ class Shape:
         """Sequences per micro-batch when each data-parallel rank takes its slice."""
         return batch // (self.dp * self.microbatches)
 
-    def plan(self, stages: tuple[int, ...] | None = None) -> ParallelPlan:
-        """The :class:`ParallelPlan` of this shape with ``stages`` cut there."""
+    def plan(
+        self, stages: tuple[int, ...] | None = None, recompute: tuple[float, ...] | None = None
+    ) -> ParallelPlan:
+        """The :class:`ParallelPlan` of this shape with ``stages`` cut there, recomputing
+        ``recompute`` of each stage's blocks."""
         name, options = self.method
         return ParallelPlan(
             dp=self.dp, pp=self.pp, tp=self.tp, microbatches=self.microbatches,
-            schedule=self.schedule, stages=stages or None, dp_method=name,
-            dp_options=dict(options),
+            schedule=self.schedule, stages=stages or None, recompute=recompute,
+            dp_method=name, dp_options=dict(options),
         )  # fmt: skip
 
 
@@ -94,8 +104,10 @@ def shapes(
                     )
                     continue
                 schedules = ["1f1b"] if pp == 1 else space.schedules
+                if not space.recompute:  # shifted 1F1B only differs where it recomputes
+                    schedules = [s for s in schedules if s != "shifted-1f1b"]
                 for schedule in schedules:
-                    if schedule == "1f1b" and pp > 1 and m < pp:
+                    if schedule in ("1f1b", "shifted-1f1b") and pp > 1 and m < pp:
                         continue  # 1F1B with fewer micro-batches than stages is GPipe
                     for method in space.methods if dp > 1 else [("dense", {})]:
                         kept.append(Shape(dp, pp, tp, m, schedule, method))
@@ -197,29 +209,69 @@ def _part_costs(
 
 
 def prepare(
-    costs: ModelCosts, shape: Shape, probe: LinkProbe, memory_limit: int | None
-) -> Prepared:
+    costs: ModelCosts, shape: Shape, probe: LinkProbe, memory_limit: int | None,
+    recompute: bool = False,
+) -> Prepared | None:  # fmt: skip
     """``shape`` with its stages cut (the best split within ``memory_limit``, or the
-    fastest if none fits) and each stage's cost."""
+    fastest if none fits) and each stage's cost. With ``recompute``, a split over the limit
+    recomputes instead, each stage the least that fits. ``None`` for a shifted 1F1B that
+    needs no recomputation (it is 1F1B)."""
     degrees = Degrees(shape.dp, shape.pp, shape.tp, shape.microbatches, shape.schedule)
     links = PlanOnLinks(degrees, probe)
     first, blocks, last = _part_costs(costs, shape, links)
     split: Split | None = best_split(
         first, blocks, last, shape.pp, shape.schedule, shape.microbatches, memory_limit
     )
+    fits = split is not None
     if split is None:
         split = best_split(first, blocks, last, shape.pp, shape.schedule, shape.microbatches)
     assert split is not None
     edges = [0, *split.boundaries, costs.blocks]
-    mb = shape.microbatch_size(costs.batch_size)
     ranges = [range(edges[s], edges[s + 1]) for s in range(shape.pp)]
-    stages = tuple(
+    ratios = None
+    if recompute and not fits and memory_limit is not None:
+        ratios = _least_ratios(costs, shape, ranges, memory_limit)
+    if shape.schedule == "shifted-1f1b" and ratios is None:
+        return None
+    return Prepared(
+        shape.plan(split.boundaries, ratios), _stage_costs(costs, shape, ranges, ratios)
+    )
+
+
+def _stage_costs(
+    costs: ModelCosts, shape: Shape, ranges: list[range], ratios: tuple[float, ...] | None
+) -> tuple[StageCost, ...]:
+    mb = shape.microbatch_size(costs.batch_size)
+    return tuple(
         costs.stage(
-            shape.tp, mb, shape.dp, shape.method, kept, first=s == 0, last=s == shape.pp - 1
+            shape.tp, mb, shape.dp, shape.method, kept, first=s == 0, last=s == shape.pp - 1,
+            recompute=ratios[s] if ratios else 0.0,
         )
         for s, kept in enumerate(ranges)
-    )
-    return Prepared(shape.plan(split.boundaries), stages)
+    )  # fmt: skip
+
+
+def _least_ratios(
+    costs: ModelCosts, shape: Shape, ranges: list[range], memory_limit: int
+) -> tuple[float, ...] | None:
+    """Per stage, the least recomputation that brings it under ``memory_limit``."""
+    mb = shape.microbatch_size(costs.batch_size)
+    ratios = []
+    for s, kept in enumerate(ranges):
+        held_in = in_flight(shape.schedule, s, shape.pp, shape.microbatches)
+
+        def held(ratio: float, s: int = s, kept: range = kept, held_in: int = held_in) -> int:
+            stage = costs.stage(
+                shape.tp, mb, shape.dp, shape.method, kept, first=s == 0,
+                last=s == shape.pp - 1, recompute=ratio,
+            )  # fmt: skip
+            return stage.memory(held_in)["total"]
+
+        ratio = least_recomputation(held, len(kept), memory_limit)
+        if ratio is None:
+            return None
+        ratios.append(ratio)
+    return tuple(ratios) if any(ratios) else None
 
 
 def evaluate(prepared: Prepared, probe: LinkProbe, memory_limit: int | None) -> Evaluated:
@@ -259,7 +311,11 @@ def search(
         else:
             usable.append(shape)
     refused = list(dict.fromkeys(refused))
-    prepared = [prepare(costs, shape, probe, memory_limit) for shape in usable]
+    prepared = [
+        p
+        for shape in usable
+        if (p := prepare(costs, shape, probe, memory_limit, space.recompute)) is not None
+    ]
     fitting, over = rank(prepared, probe, memory_limit)
     return SearchResult(
         tuple(fitting),

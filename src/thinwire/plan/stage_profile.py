@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -99,6 +99,34 @@ class StageProfile:
     recompute: Pass | None = None
     """The recomputation of one micro-batch (its checkpointed blocks' forward again),
     when the plan recomputes on this stage."""
+    segment_passes: tuple[Pass, ...] = ()
+    """If asked for: the forward of the stage's last ``k`` blocks at index ``k - 1``, what
+    recomputing ``k`` blocks costs (so that plans differing only in recomputation share
+    one profile)."""
+    segment_saved: tuple[int, ...] = ()
+    """What those ``k`` blocks save (their input included), at index ``k - 1``."""
+    tail_saved_bytes: int = 0
+    """What the parts after the blocks save (the head and loss, on the last stage)."""
+    input_bytes: int = 0
+    """A block's input per micro-batch (what a checkpointed segment keeps)."""
+    recompute_saved: int = 0
+    """What :attr:`recompute` saves again (its input included)."""
+
+    def recomputing(self, blocks: int, ratio: float) -> StageProfile:
+        """This profile for a stage of ``blocks`` blocks recomputing ``ratio`` of them
+        (from :attr:`segment_passes`)."""
+        from thinwire.parallel.recompute import checkpointed_blocks
+
+        count = checkpointed_blocks(ratio, blocks)
+        if count and len(self.segment_passes) < count:
+            raise ValueError(f"stage {self.index} was profiled without its recomputation")
+        if not count:
+            return replace(self, recompute=None, recompute_saved=0)
+        return replace(
+            self,
+            recompute=self.segment_passes[count - 1],
+            recompute_saved=self.segment_saved[count - 1],
+        )
 
     @property
     def tp_allreduce_bytes(self) -> list[int]:
@@ -191,7 +219,8 @@ def fake_world(source: Any, plan: Any, microbatch: int) -> Iterator[_FakeWorld]:
         dist.destroy_process_group()
 
 
-def _source(task_name: str, task_options: dict[str, Any]) -> Any:
+def task_source(task_name: str, task_options: dict[str, Any]) -> Any:
+    """The :class:`~thinwire.plan.model_source.ModelSource` of a task and its options."""
     from thinwire.plan.model_source import ModelSource
 
     return ModelSource(task_name, task_options)
@@ -217,51 +246,63 @@ def in_fresh_process(fn: Any, *args: Any) -> Any:
 
 def _profile_in_fake_world(
     task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
-    optimizer: str = "adamw",
+    optimizer: str = "adamw", segments: bool = False,
 ) -> list[StageProfile]:  # fmt: skip
     """In a fresh process on the fake process group: every stage of ``plan``, one after
     another, each timed on one micro-batch."""
     from thinwire.parallel.layout import submodule
     from thinwire.parallel.stages import even_boundaries, stage_ranges
 
-    with fake_world(_source(task_name, task_options), plan, microbatch) as world:
+    with fake_world(task_source(task_name, task_options), plan, microbatch) as world:
         blocks = len(submodule(world.model, world.layout.blocks))
         ranges = stage_ranges(blocks, plan.stages or even_boundaries(blocks, plan.chunks))
-        return [
-            replace(
-                profile_stage(
-                    index,
-                    stage_of(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
-                    world.loss,
-                    world.batch,
-                    plan,
-                    repeats,
-                    optimizer,
-                ),
-                recompute=_recompute_pass(world, plan, index, kept, repeats),
+        profiles = []
+        for index, kept in enumerate(ranges):
+            profile = profile_stage(
+                index,
+                stage_of(world, plan, kept, first=index == 0, last=index == plan.chunks - 1),
+                world.loss,
+                world.batch,
+                plan,
+                repeats,
+                optimizer,
             )
-            for index, kept in enumerate(ranges)
-        ]
+            ratio = plan.recompute[index] if plan.recompute else 0.0
+            if segments or ratio:
+                profile = _with_segments(world, plan, profile, kept, repeats)
+            profiles.append(profile.recomputing(len(kept), ratio))
+        return profiles
 
 
-def _recompute_pass(world: Any, plan: Any, index: int, kept: range, repeats: int) -> Pass | None:
-    """The forward of the blocks stage ``index`` checkpoints under ``plan`` (what its
-    recomputation runs), timed with its collectives; ``None`` if it checkpoints none."""
-    from thinwire.parallel.recompute import checkpointed_blocks
-
-    count = checkpointed_blocks(plan.recompute[index], len(kept)) if plan.recompute else 0
-    if not count:
-        return None
-    segment = stage_of(world, plan, kept[len(kept) - count :], first=False, last=False)
-    tokens = world.batch[0]
-    passes = []
-    for _ in range(repeats + 1):
-        x = torch.randn(tokens.shape[0], tokens.shape[1], layout_dim(segment.model))
-        log = _CollectiveLog()
-        with log:
-            segment(x.requires_grad_())
-        passes.append(log.finish())
-    return _median_pass(passes[1:])
+def _with_segments(
+    world: Any, plan: Any, profile: StageProfile, kept: range, repeats: int
+) -> StageProfile:
+    """``profile`` with what recomputing each number of its last blocks costs and saves."""
+    tokens, targets = world.batch
+    shape = (tokens.shape[0], tokens.shape[1], layout_dim(world.model))
+    passes, saved = [], []
+    for count in range(1, len(kept) + 1):
+        segment = stage_of(world, plan, kept[len(kept) - count :], first=False, last=False)
+        timed = []
+        for _ in range(repeats + 1):
+            log = _CollectiveLog()
+            with log:
+                segment(torch.randn(shape).requires_grad_())
+            timed.append(log.finish())
+        passes.append(_median_pass(timed[1:]))
+        saved.append(_saved_bytes(segment, world.loss, torch.randn(shape), targets))
+    tail = 0
+    if profile.index == plan.chunks - 1:
+        end = range(kept.stop, kept.stop)
+        tail_stage = stage_of(world, plan, end, first=False, last=True)
+        tail = _saved_bytes(tail_stage, world.loss, torch.randn(shape), targets)
+    return replace(
+        profile,
+        segment_passes=tuple(passes),
+        segment_saved=tuple(saved),
+        tail_saved_bytes=tail,
+        input_bytes=torch.Size(shape).numel() * 4,
+    )
 
 
 def profile_stage(
@@ -397,144 +438,13 @@ def profile_plan(
     microbatch: int,
     repeats: int = 3,
     optimizer: str = "adamw",
+    segments: bool = False,
 ) -> list[StageProfile]:
     """Every stage of ``plan``, profiled one after another in a fresh process on the fake
     process group (so that each has this machine's core to itself); ``optimizer``
-    (``"adamw"`` or ``"sgd"``) is timed over each stage's shard."""
+    (``"adamw"`` or ``"sgd"``) is timed over each stage's shard. ``segments``: time what
+    recomputing each number of blocks costs (:attr:`StageProfile.segment_passes`)."""
     return in_fresh_process(
-        _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
-    )
-
-
-@dataclass(frozen=True)
-class BlockProfiles:
-    """The parts every stage is made of, each profiled once (one micro-batch, one rank of a
-    ``tp``-way shard): ``first`` the embedding alone, ``blocks`` one profile per block of
-    the model (blocks of the same kind and shapes share theirs), ``last`` the final norm,
-    the head and the loss; ``hidden_bytes``: what a stage sends the next per micro-batch."""
-
-    first: StageProfile
-    blocks: tuple[StageProfile, ...]
-    last: StageProfile
-    hidden_bytes: int
-
-
-def profile_blocks(
-    task_name: str,
-    task_options: dict[str, Any],
-    plan: Any,
-    microbatch: int,
-    repeats: int = 3,
-    optimizer: str = "adamw",
-) -> BlockProfiles:
-    """Each distinct part of the task's model under ``plan``'s ``tp`` (and its
-    data-parallel method over ``plan.dp`` for the exchange's cost), in a fresh process on
-    the fake process group; any stage's cost is then a sum (:func:`compose_stage`)."""
-    return in_fresh_process(
-        _blocks_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer
-    )
-
-
-def _blocks_in_fake_world(
-    task_name: str, task_options: dict[str, Any], plan: Any, microbatch: int, repeats: int,
-    optimizer: str,
-) -> BlockProfiles:  # fmt: skip
-    with fake_world(_source(task_name, task_options), plan, microbatch) as world:
-        return block_profiles(world, plan, repeats, optimizer)
-
-
-def block_profiles(world: Any, plan: Any, repeats: int, optimizer: str) -> BlockProfiles:
-    """Each distinct part of ``world``'s model under ``plan``'s ``tp``, on its micro-batch."""
-    from thinwire.parallel.layout import submodule
-
-    blocks = submodule(world.model, world.layout.blocks)
-
-    def part(kept: range, first: bool, last: bool) -> StageProfile:
-        stage = stage_of(world, plan, kept, first, last)
-        return profile_stage(0, stage, world.loss, world.batch, plan, repeats, optimizer)
-
-    kinds: dict[tuple, StageProfile] = {}
-    per_block = []
-    for index, block in enumerate(blocks):
-        kind = (type(block).__name__, tuple(tuple(p.shape) for p in block.parameters()))
-        if kind not in kinds:
-            kinds[kind] = part(range(index, index + 1), first=False, last=False)
-        per_block.append(kinds[kind])
-    tokens = world.batch[0]
-    return BlockProfiles(
-        first=part(range(0), first=True, last=False),
-        blocks=tuple(per_block),
-        last=part(range(len(blocks), len(blocks)), first=False, last=True),
-        hidden_bytes=tokens.shape[0] * tokens.shape[1] * layout_dim(world.model) * 4,
-    )
-
-
-def compose_stage(
-    parts: BlockProfiles, blocks: range, *, first: bool, last: bool, recompute: float = 0.0
-) -> Any:
-    """The cost of a stage holding ``blocks`` (and the embedding if ``first``, the head
-    and loss if ``last``): its parts' costs added up (:func:`cost_of`). With
-    ``recompute``, its last blocks (:func:`~thinwire.parallel.recompute.checkpointed_blocks`)
-    keep only their input per micro-batch and run their forward again before the backward."""
-    from thinwire.parallel.recompute import checkpointed_blocks
-
-    chosen = [*([parts.first] if first else []), *(parts.blocks[i] for i in blocks)]
-    chosen += [parts.last] if last else []
-    if not chosen:
-        raise ValueError("a stage holds at least one block, the embedding or the head")
-    cost = cost_of(chosen, activation_bytes=0 if last else parts.hidden_bytes)
-    count = checkpointed_blocks(recompute, len(blocks))
-    if not count:
-        return cost
-    segment = [parts.blocks[i] for i in blocks[len(blocks) - count :]]
-    rebuilt = sum(p.saved_bytes for p in segment)
-    return replace(
-        cost,
-        saved_bytes=cost.saved_bytes - rebuilt + parts.hidden_bytes,
-        rebuilt_bytes=rebuilt,
-        released_at_rebuild=parts.hidden_bytes + (parts.last.saved_bytes if last else 0),
-        recompute_s=sum(p.forward.compute_s for p in segment),
-        recompute_allreduces=tuple(c.nbytes for p in segment for c in p.forward.collectives),
-    )
-
-
-def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:
-    """The planner's :class:`thinwire.plan.hybrid_cost.StageCost` of one rank running the
-    parts ``profiles`` one after another, sending ``activation_bytes`` on per micro-batch:
-    times, collectives, bytes and the data-parallel exchange's buckets added up."""
-    from thinwire.plan.hybrid_cost import StageCost
-
-    exchange = join_method_costs([p.dp_cost for p in profiles if p.dp_cost is not None])
-    return StageCost(
-        forward_s=sum(p.forward.compute_s for p in profiles),
-        backward_s=sum(p.backward.compute_s for p in profiles),
-        forward_allreduces=tuple(c.nbytes for p in profiles for c in p.forward.collectives),
-        backward_allreduces=tuple(
-            c.nbytes for p in profiles for c in (*p.backward.collectives, *p.loss_collectives)
-        ),
-        activation_bytes=activation_bytes,
-        dp_cost=exchange,
-        optimizer_s=sum(p.optimizer_s for p in profiles),
-        parameter_bytes=sum(
-            4 * torch.Size(shape).numel() for p in profiles for shape in p.parameter_shapes
-        ),
-        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in profiles),
-        exchange_bytes=sum(p.exchange_bytes for p in profiles),
-        saved_bytes=sum(p.saved_bytes for p in profiles),
-    )
-
-
-def join_method_costs(costs: Sequence[Any]) -> Any:
-    """One :class:`~thinwire.plan.cost.MethodCost` for parts exchanged together (their
-    buckets one after another); ``None`` for none."""
-    from thinwire.plan.cost import MethodCost
-
-    if len(costs) <= 1:
-        return costs[0] if costs else None
-    return MethodCost(
-        costs[0].method,
-        tuple(b for c in costs for b in c.buckets),
-        dense_bytes=sum(c.dense_bytes for c in costs),
-        options=costs[0].options,
-        schedule=costs[0].schedule,
-    )
+        _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer,
+        segments,
+    )  # fmt: skip
