@@ -32,7 +32,8 @@ def test_1f1b_recomputes_after_the_gradient_arrives_and_shifted_before() -> None
     for schedule, before in (("1f1b", False), ("shifted-1f1b", True)):
         actions = program(schedule, 1, 4, 6, recompute=True)
         for i in range(6):
-            recompute = actions.index(("compute", "R", i))
+            recompute = next(n for n, a in enumerate(actions) if a[:3] == ("compute", "R", i))
+            assert (actions[recompute][3:] == ("in-backward",)) != before
             wait = next(n for n, a in enumerate(actions) if a[0] == "wait" and (BWD, 1, i) in a[1])
             assert (recompute < wait) == before, (schedule, i)
 

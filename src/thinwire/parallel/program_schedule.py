@@ -7,9 +7,9 @@ stage's point-to-point operations for that micro-batch (``get_fwd_recv_ops`` and
 like), a wait waits for them, ``F`` runs ``forward_one_chunk`` (and the loss on the last
 stage), ``R`` asks the stage module to rebuild its oldest checkpointed micro-batch
 (:meth:`thinwire.parallel.recompute.Recomputation.recompute_next`; nothing when it has
-none), ``B`` runs ``backward_one_chunk``. PyTorch's schedule base class does the rest:
-splitting the batch, the stage's shape inference, the losses, scaling the gradients by
-the number of micro-batches.
+none, or when the backward recomputes), ``B`` runs ``backward_one_chunk``. PyTorch's
+schedule base class does the rest: splitting the batch, the stage's shape inference, the
+losses, scaling the gradients by the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from thinwire.parallel.schedule_programs import FWD, program
+from thinwire.parallel.schedule_programs import FWD, IN_BACKWARD, program
 
 
 def _start(ops: list[dist.P2POp]) -> list[dist.Work]:
@@ -101,7 +101,7 @@ class ProgramSchedule(PipelineScheduleSingle):
                 )
                 self._maybe_compute_loss(self._stage, output, target_mbs, i, loss_kwargs)
             elif action[1] == "R":
-                if self.recompute is not None:
+                if self.recompute is not None and action[3:] != (IN_BACKWARD,):
                     self.recompute()
             else:
                 i = action[2]

@@ -9,7 +9,8 @@ the planner's simulator (:mod:`thinwire.plan.schedule_sim` times them):
   activation from stage ``boundary`` to ``boundary + 1``) or ``"bwd"`` (its gradient back);
 * ``("wait", [key, ...])``: wait until those posted messages are received or sent;
 * ``("compute", kind, microbatch)``: ``"F"`` forward, ``"R"`` recompute (the checkpointed
-  blocks' forward again, :mod:`thinwire.parallel.recompute`), ``"B"`` backward.
+  blocks' forward again, :mod:`thinwire.parallel.recompute`), ``"B"`` backward; a
+  recomputation the backward runs itself carries a fourth element, ``"in-backward"``.
 
 ``gpipe`` and ``1f1b`` post and wait exactly where PyTorch's ``ScheduleGPipe`` and
 ``Schedule1F1B`` do; a recomputing stage recomputes right before each backward, once the
@@ -31,13 +32,16 @@ from collections.abc import Iterator
 PROGRAM_SCHEDULES = ("gpipe", "1f1b", "shifted-1f1b")
 
 FWD, BWD = "fwd", "bwd"
+#: marks a recomputation the backward runs (after the parts behind the checkpointed
+#: blocks have run theirs), not an action of its own
+IN_BACKWARD = "in-backward"
 
 Action = tuple  # ("post", key, role) | ("wait", keys) | ("compute", kind, microbatch)
 
 
 def _backward(i: int, recompute: bool) -> Iterator[Action]:
-    if recompute:
-        yield ("compute", "R", i)
+    if recompute:  # the backward itself recomputes: an executor leaves it to the backward
+        yield ("compute", "R", i, IN_BACKWARD)
     yield ("compute", "B", i)
 
 
