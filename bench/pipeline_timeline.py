@@ -85,9 +85,10 @@ def main() -> None:
         measured = measured_timeline(record, plan)
         span = max(max(e[3] for e in simulated), max(e[3] for e in measured)) * 1.02
         draw(axes[row][0], simulated, plan.pp,
-             f"{label}: simulated, pipeline {predicted.pipeline_s:.2f} s", span)  # fmt: skip
+             f"{label}: simulated (pipeline {predicted.pipeline_s:.2f} s of a "
+             f"{predicted.step_s:.2f} s step)", span)  # fmt: skip
         draw(axes[row][1], measured, plan.pp,
-             f"{label}: measured last step, {record['steps_s'][-1]:.2f} s", span)  # fmt: skip
+             f"{label}: measured (last step {record['steps_s'][-1]:.2f} s)", span)  # fmt: skip
     figure.legend(handles=[Patch(color=c, label=NAMES[k]) for k, c in COLOURS.items()],
                   loc="upper center", ncol=3, fontsize=8)  # fmt: skip
     figure.tight_layout(rect=(0, 0, 1, 0.95))

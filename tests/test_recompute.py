@@ -117,3 +117,22 @@ def test_without_dropout_the_same_random_draws_would_not_be_needed() -> None:
     first = stage(tokens[:, :-1])
     second = stage(tokens[:, :-1])
     assert not torch.equal(first, second)
+
+
+def test_recomputation_replays_the_forwards_autocast() -> None:
+    def grads(ratio: float) -> list[torch.Tensor]:
+        source = model()
+        stage = StageModule(source, read_layout(source), range(4), first=True, last=True,
+                            recompute=ratio)  # fmt: skip
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(4))
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = stage(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), tokens[:, 1:].flatten()
+        )
+        loss.backward()  # outside autocast, as training loops do
+        return [p.grad for p in stage.parameters()]
+
+    for a, b in zip(grads(0.0), grads(1.0), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

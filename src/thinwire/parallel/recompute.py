@@ -17,11 +17,13 @@ oldest pending micro-batch's graph at any time before its backward (a schedule r
 while it waits for the incoming gradient); a backward that finds its graph not rebuilt
 rebuilds it first. Either way the forward runs from the same input with the random
 generator as it was (dropout draws the same masks), and the generator the rest of the step
-sees is left as it would be without recomputation.
+sees is left as it would be without recomputation (the CPU's, and the CUDA device's the
+input lives on), and so is ``torch.autocast``'s state of the forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -79,6 +81,15 @@ class _Pending:
     node: Callable[[], Any] = lambda: None
     """The segment's autograd node, weakly (it holds the input; gone with the graph)."""
     rebuilt: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    device: torch.device | None = None
+    """The CUDA device whose generator the segment draws from, if any."""
+    device_rng_state: Tensor | None = None
+    autocast: tuple[tuple[str, bool, torch.dtype], ...] = ()
+    """The autocast state of the forward, per device type, replayed by the recomputation."""
+
+
+#: device types whose autocast state a recomputation replays
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 class Recomputation:
@@ -98,6 +109,12 @@ class Recomputation:
             return segment(x)
         trained = tuple(p for p in parameters if p.requires_grad)
         pending = _Pending(self, segment, trained, torch.get_rng_state())
+        pending.autocast = tuple(
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in _AUTOCAST_DEVICES
+        )
+        if x.is_cuda:  # dropout on the GPU draws from the device's generator
+            pending.device, pending.device_rng_state = x.device, torch.cuda.get_rng_state(x.device)
         y = _Checkpointed.apply(x, pending, *trained)
         if y.grad_fn is not None:
             pending.node = weakref.ref(y.grad_fn)
@@ -123,8 +140,15 @@ class Recomputation:
     def _rebuild(self, pending: _Pending) -> None:
         (x,) = pending.node().saved_tensors
         x = x.detach().requires_grad_(x.requires_grad)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        devices = [pending.device] if pending.device is not None else []
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.enter_context(torch.enable_grad())
+            for kind, enabled, dtype in pending.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             torch.set_rng_state(pending.rng_state)
+            if pending.device is not None:
+                torch.cuda.set_rng_state(pending.device_rng_state, pending.device)
             y = pending.run(x)
         pending.rebuilt = (x, y)
         self.recomputed += 1
