@@ -53,7 +53,7 @@ def profile(
             plan,
             microbatch_size(config, plan),
             optimizer=config.optimizer,
-            segments=shared is not None,
+            segments=shared is not None and any(p.recompute for p in config.plans),
         )
         if shared is None:
             return profiles
