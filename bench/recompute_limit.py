@@ -44,7 +44,12 @@ def main() -> None:
     none = stage_memory(parts, ranges, args.schedule, m, [0.0] * count)
     full = stage_memory(parts, ranges, args.schedule, m, [1.0] * count)
     limit = max(full)
-    ratios = least_ratios(parts, ranges, args.schedule, m, limit)
+
+    def held(stage: int, ratio: float) -> int:
+        each = [ratio if t == stage else 0.0 for t in range(count)]
+        return stage_memory(parts, ranges, args.schedule, m, each)[stage]
+
+    ratios = least_ratios(held, [len(r) for r in ranges], limit)
     assert ratios is not None
     chosen = stage_memory(parts, ranges, args.schedule, m, ratios)
     mib = 2**20

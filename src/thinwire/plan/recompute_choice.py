@@ -45,18 +45,14 @@ def stage_memory(
 
 
 def least_ratios(
-    parts: Any, ranges: Sequence[range], schedule: str, microbatches: int, limit: int
+    bytes_at: Callable[[int, float], int], blocks: Sequence[int], limit: int
 ) -> tuple[float, ...] | None:
-    """Per stage, the least recomputation under ``limit`` bytes per rank (``None`` if some
-    stage does not fit even recomputing every block)."""
+    """Per stage ``s`` of ``blocks[s]`` blocks, the least recomputation for which
+    ``bytes_at(s, fraction)`` is at most ``limit`` (``None`` if some stage does not fit
+    even recomputing every block)."""
     ratios = []
-    for s, blocks in enumerate(ranges):
-
-        def held(ratio: float, s: int = s) -> int:
-            each = [ratio if t == s else 0.0 for t in range(len(ranges))]
-            return stage_memory(parts, ranges, schedule, microbatches, each)[s]
-
-        ratio = least_recomputation(held, len(blocks), limit)
+    for stage, count in enumerate(blocks):
+        ratio = least_recomputation(lambda r, stage=stage: bytes_at(stage, r), count, limit)
         if ratio is None:
             return None
         ratios.append(ratio)

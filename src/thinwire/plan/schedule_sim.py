@@ -37,8 +37,6 @@ from thinwire.plan.fluid_wire import FluidWire, ends
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
 SIMULATED_SCHEDULES = PROGRAM_SCHEDULES
 
-_FWD, _BWD = FWD, BWD
-
 
 @dataclass(frozen=True)
 class StageTimes:
@@ -118,7 +116,7 @@ class _Wire:
         backward: Sequence[Message],
         links: Sequence[Sequence[Hashable]],
     ) -> None:
-        self.messages = {_FWD: forward, _BWD: backward}
+        self.messages = {FWD: forward, BWD: backward}
         self.links = links
         self.socket_free: dict[tuple[int, int, int], float] = {}
         self.link_free: dict[tuple[object, int, int], float] = {}

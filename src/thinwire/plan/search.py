@@ -29,7 +29,7 @@ from thinwire.parallel.plan_spec import plan_label
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, PlanPrediction, StageCost, predict_plan
 from thinwire.plan.model_costs import Method, ModelCosts
 from thinwire.plan.probe import LinkProbe
-from thinwire.plan.recompute_choice import least_recomputation
+from thinwire.plan.recompute_choice import least_ratios
 from thinwire.plan.split import PartCost, Split, best_split, in_flight
 
 #: the data-parallel methods searched by default
@@ -256,22 +256,16 @@ def _least_ratios(
 ) -> tuple[float, ...] | None:
     """Per stage, the least recomputation that brings it under ``memory_limit``."""
     mb = shape.microbatch_size(costs.batch_size)
-    ratios = []
-    for s, kept in enumerate(ranges):
-        held_in = in_flight(shape.schedule, s, shape.pp, shape.microbatches)
 
-        def held(ratio: float, s: int = s, kept: range = kept, held_in: int = held_in) -> int:
-            stage = costs.stage(
-                shape.tp, mb, shape.dp, shape.method, kept, first=s == 0,
-                last=s == shape.pp - 1, recompute=ratio,
-            )  # fmt: skip
-            return stage.memory(held_in)["total"]
+    def held(s: int, ratio: float) -> int:
+        stage = costs.stage(
+            shape.tp, mb, shape.dp, shape.method, ranges[s], first=s == 0,
+            last=s == shape.pp - 1, recompute=ratio,
+        )  # fmt: skip
+        return stage.memory(in_flight(shape.schedule, s, shape.pp, shape.microbatches))["total"]
 
-        ratio = least_recomputation(held, len(kept), memory_limit)
-        if ratio is None:
-            return None
-        ratios.append(ratio)
-    return tuple(ratios) if any(ratios) else None
+    ratios = least_ratios(held, [len(r) for r in ranges], memory_limit)
+    return ratios if ratios and any(ratios) else None
 
 
 def evaluate(prepared: Prepared, probe: LinkProbe, memory_limit: int | None) -> Evaluated:
