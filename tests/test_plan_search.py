@@ -322,3 +322,40 @@ def least_is_less(costs, plan, limit) -> bool:
         if held <= limit:
             return True
     return False
+
+
+def test_sub_batched_plans_are_searched_for_tensor_parallel_shapes_only(tiny):
+    from thinwire.plan.search import needs
+
+    found, _ = shapes(4, 2, blocks=4, batch=8, space=SPACE)
+    split = [s for s in found if s.subbatches == 2]
+    assert split and all(s.tp > 1 for s in split)
+    assert all((8 // (s.dp * s.microbatches)) % 2 == 0 for s in split)
+    assert all("/sb2" in plan_label(s.plan()) for s in split)
+    sizes = needs(found, 8)[2][0]  # the tp=2 parts are profiled at the sub-batch sizes too
+    assert {8 // (s.dp * s.microbatches) // s.subbatches for s in found if s.tp == 2} <= set(sizes)
+    _, result, _, _ = tiny
+    searched = {e.label for e in result.ranked}
+    assert any("/sb2" in label for label in searched)
+
+
+def test_a_stage_in_sub_batches_is_timed_in_turns(tiny):
+    from thinwire.plan.turns import in_turns_s
+
+    _, result, costs, _ = tiny
+    evaluated = next(e for e in result.ranked if e.plan.subbatches == 2)
+    plan = evaluated.plan
+    mb = costs.batch_size // (plan.dp * plan.microbatches)
+    method = (plan.dp_method, dict(plan.dp_options))
+    blocks = range(plan.stages[-1] if plan.stages else 0, costs.blocks)
+    stage = costs.stage(plan.tp, mb, plan.dp, method, blocks, first=plan.pp == 1, last=True,
+                        subbatches=2)  # fmt: skip
+    whole = costs.stage(plan.tp, mb // 2, plan.dp, method, blocks, first=plan.pp == 1, last=True)
+    assert stage.forward_s == pytest.approx(2 * whole.forward_s)
+    assert stage.forward_allreduces == whole.forward_allreduces * 2
+    second = lambda nbytes: 1e-3 + nbytes / 1e6  # noqa: E731
+    forward, backward, _ = stage.pass_times(second)
+    assert backward > stage.backward_s  # its all-reduces cost some time still
+    assert forward == pytest.approx(in_turns_s(stage.turns[0], 2, second))
+    one_after_another = stage.forward_s + sum(map(second, stage.forward_allreduces))
+    assert forward < one_after_another  # the all-reduces overlap the other sub-batch

@@ -47,7 +47,6 @@ def auto_plan(
     from thinwire.plan.hybrid_command import plan_for
     from thinwire.plan.model_source import ModelSource
     from thinwire.plan.probe import LinkProbe, run_probe
-    from thinwire.plan.search import SearchSpace
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -70,7 +69,7 @@ def auto_plan(
         try:
             source = ModelSource.of_module(model, example_inputs)
             result, _ = plan_for(
-                source, probe, limit, space or SearchSpace(), optimizer=optimizer,
+                source, probe, limit, space or _default_space(model), optimizer=optimizer,
                 cache=Path(cache) if cache else None, log=log.info,
             )  # fmt: skip
             best = result.chosen
@@ -120,3 +119,12 @@ def parallelize(
     return parallelize_plan(
         model, plan, optimizer=optimizer, loss_fn=loss_fn, layout=layout, **engine_options
     )
+
+
+def _default_space(model: Any) -> Any:
+    """The search's default space; without sub-batches for a model on a GPU (they run on
+    CPU ranks in this version: :mod:`thinwire.parallel.subpipeline`)."""
+    from thinwire.plan.search import SearchSpace
+
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    return SearchSpace(subbatches=(1,)) if on_gpu else SearchSpace()

@@ -14,7 +14,6 @@ import hashlib
 import json
 import pickle
 import statistics
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +35,8 @@ def stage_costs(
         cost = cost_of([profile], profile.activation_bytes)
         if compute is not None:
             given = next(c for c in compute if c["stage"] == profile.index)
-            cost = replace(
-                cost,
-                forward_s=given["forward"],
-                backward_s=given["backward"],
-                recompute_s=given.get("recompute", cost.recompute_s),
+            cost = cost.with_compute(
+                given["forward"], given["backward"], given.get("recompute", cost.recompute_s)
             )
         costs.append(cost)
     return costs

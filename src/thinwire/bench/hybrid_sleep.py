@@ -44,8 +44,8 @@ def profile(
     ``shared`` (each its own recomputation's passes): compared side by side, they sleep the
     same compute rather than each its own profile's (which differ by some 10 % from run to
     run on a shared machine)."""
-    key = (plan.dp, plan.pp, plan.tp, plan.chunks, plan.microbatches, plan.stages,
-           plan.dp_method, tuple(sorted(plan.dp_options.items())))  # fmt: skip
+    key = (plan.dp, plan.pp, plan.tp, plan.chunks, plan.microbatches, plan.subbatches,
+           plan.stages, plan.dp_method, tuple(sorted(plan.dp_options.items())))  # fmt: skip
     if shared is None or key not in shared:
         profiles = profile_plan(
             config.task,
@@ -157,9 +157,9 @@ def sleeping_record(
         "stage_compute_s": [
             {
                 "stage": p.index,
-                "forward": p.forward.compute_s,
-                "backward": p.backward.compute_s,
-                "recompute": p.recompute.compute_s if p.recompute else 0.0,
+                "forward": p.forward_s,
+                "backward": p.backward_s,
+                "recompute": p.recompute_s,
             }
             for p in sorted(profiles, key=lambda p: p.index)
         ],

@@ -11,7 +11,11 @@ profile and hands each parameter the gradient one real step produced (so compres
 real gradients). The CPU stays free while the "accelerator" works, as on a GPU host.
 
 A recomputing stage sleeps its checkpointed blocks' forward again (with their collectives)
-inside the backward, or earlier where the schedule has a recompute action.
+inside the backward, or earlier where the schedule has a recompute action. A plan with
+sub-batches replays each pass once per sub-batch, in the turns
+:mod:`thinwire.parallel.subpipeline` takes (its profile is one sub-batch's): a sub-batch
+sleeps to its next all-reduce, starts it and hands on; it waits for that all-reduce when
+its turn comes round.
 
 Timings only: every step applies the same gradients, so the losses say nothing.
 """
@@ -31,17 +35,26 @@ from thinwire.parallel.stages import StageModule
 from thinwire.plan.stage_profile import Pass, StageProfile
 
 
-def replay(profile_pass: Pass, group: dist.ProcessGroup | None) -> None:
-    """Sleep each gap and run each collective of ``profile_pass`` on ``group``."""
+def replay(profile_pass: Pass, group: dist.ProcessGroup | None, parts: int = 1) -> None:
+    """Sleep each gap and run each collective of ``profile_pass`` on ``group``, for each
+    of ``parts`` sub-batches in turns."""
+    if profile_pass.collectives and group is None:
+        raise RuntimeError(
+            "the profile has tensor-parallel all-reduces but the plan has tp=1: "
+            "profile the plan it runs"
+        )
+    pending: list[dist.Work | None] = [None] * parts
     for collective in profile_pass.collectives:
-        time.sleep(collective.gap_s)
-        if group is None:
-            raise RuntimeError(
-                "the profile has tensor-parallel all-reduces but the plan has tp=1: "
-                "profile the plan it runs"
-            )
-        dist.all_reduce(torch.zeros(collective.shape, dtype=collective.torch_dtype), group=group)
-    time.sleep(profile_pass.tail_s)
+        for part in range(parts):
+            if pending[part] is not None:
+                pending[part].wait()
+            time.sleep(collective.gap_s)
+            tensor = torch.zeros(collective.shape, dtype=collective.torch_dtype)
+            pending[part] = dist.all_reduce(tensor, group=group, async_op=True)
+    for part in range(parts):
+        if pending[part] is not None:
+            pending[part].wait()
+        time.sleep(profile_pass.tail_s)
 
 
 class _SleepingStage(torch.autograd.Function):
@@ -56,7 +69,7 @@ class _SleepingStage(torch.autograd.Function):
         ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
         profile = sleeper.profile
         with sleeper.noting("F"):
-            replay(profile.forward, sleeper.group)
+            replay(profile.forward, sleeper.group, profile.subbatches)
         return torch.zeros(profile.output_shape, dtype=getattr(torch, profile.output_dtype[6:]))
 
     @staticmethod
@@ -64,7 +77,7 @@ class _SleepingStage(torch.autograd.Function):
         sleeper: SleepingStage = ctx.sleeper
         sleeper.recompute_before_backward()
         with sleeper.noting("B"):
-            replay(sleeper.profile.backward, sleeper.group)
+            replay(sleeper.profile.backward, sleeper.group, sleeper.profile.subbatches)
         sleeper.accumulate_gradients()
         if not ctx.input_dtype.is_floating_point:  # tokens
             return None, None, None
@@ -98,7 +111,7 @@ class SleepingStage:
         if self.profile.recompute is None:
             return False
         with self.noting("R"):
-            replay(self.profile.recompute, self.group)
+            replay(self.profile.recompute, self.group, self.profile.subbatches)
         self.recomputed_ahead += 1
         return True
 
@@ -115,7 +128,7 @@ class SleepingStage:
             self.recomputed_ahead -= 1
         elif self.profile.recompute is not None:
             with self.noting("R"):
-                replay(self.profile.recompute, self.group)
+                replay(self.profile.recompute, self.group, self.profile.subbatches)
 
     def forward(self, x: Tensor) -> Tensor:
         """What the stage would return, after the stage's time."""

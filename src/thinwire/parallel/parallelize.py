@@ -82,6 +82,7 @@ def parallelize(
             first=i == 0,
             last=i == plan.chunks - 1,
             recompute=plan.recompute[i] if plan.recompute else 0.0,
+            subbatches=plan.subbatches,
         )
         for i in indices
     ]

@@ -63,6 +63,11 @@ class ParallelPlan:
     """Fraction of each stage's blocks (its last ones) whose activations are recomputed
     in the backward instead of kept: one number for every stage, a ratio per stage
     (``thinwire.parallel.recompute.stage_aware_ratios`` gives Merak's), or ``None``: none."""
+    subbatches: int = 1
+    """Sub-batches each micro-batch runs as inside a stage's blocks, taking turns so that
+    one's tensor-parallel all-reduce overlaps the next's compute (Merak's sub-pipelined
+    tensor parallelism, :mod:`thinwire.parallel.subpipeline`); ``1``: none. Needs
+    ``tp > 1`` and micro-batches whose size it divides."""
     dp_method: str = DENSE
     """How the ``"dp"`` groups exchange gradients: ``"dense"`` (an all-reduce of every
     gradient) or any thinwire compressor's name (``thinwire compressors``)."""
@@ -70,7 +75,7 @@ class ParallelPlan:
     """The compressor's options (``{"rank": 4}`` for PowerSGD, ...)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "microbatches"):
+        for name in ("dp", "pp", "tp", "microbatches", "subbatches"):
             _check_degree(name, getattr(self, name))
         if self.schedule not in SCHEDULES:
             raise ValueError(
@@ -117,6 +122,11 @@ class ParallelPlan:
                     f"microbatches={self.microbatches} must be below pp or a multiple of it "
                     f"(e.g. {rounds * self.pp})"
                 )
+        if self.subbatches > 1 and self.tp == 1:
+            raise ValueError(
+                f"subbatches={self.subbatches} overlaps tensor-parallel all-reduces with "
+                "compute, but tp=1 has none: use tp > 1, or subbatches=1"
+            )
         if not isinstance(self.dp_method, str):
             raise TypeError(f"dp_method must be a name, got {type(self.dp_method).__name__}")
         object.__setattr__(self, "dp_options", dict(self.dp_options))
@@ -154,13 +164,20 @@ class ParallelPlan:
 
     def check_batch(self, batch: int) -> None:
         """Refuse a global batch that does not split into ``dp`` slices of
-        ``microbatches`` equal micro-batches (unequal ones would weight samples unevenly)."""
+        ``microbatches`` equal micro-batches (unequal ones would weight samples unevenly),
+        each of ``subbatches`` equal sub-batches."""
         parts = self.dp * self.microbatches
         if batch % parts:
             raise ValueError(
                 f"a global batch of {batch} samples does not split evenly into dp * "
                 f"microbatches = {self.dp} * {self.microbatches} = {parts} micro-batches; "
                 f"use a batch that is a multiple of {parts}"
+            )
+        if (batch // parts) % self.subbatches:
+            raise ValueError(
+                f"micro-batches of {batch // parts} samples (a batch of {batch} over dp * "
+                f"microbatches = {parts}) do not split into subbatches={self.subbatches}: use a "
+                f"batch that is a multiple of {parts * self.subbatches}, or fewer sub-batches"
             )
 
     def spec(self) -> str:
@@ -184,4 +201,5 @@ class ParallelPlan:
             f"dp={self.dp} pp={self.pp} tp={self.tp} microbatches={self.microbatches} "
             f"schedule={self.schedule} dp_method={method}"
             + (f" recompute={list(self.recompute)}" if self.recompute else "")
+            + (f" subbatches={self.subbatches}" if self.subbatches > 1 else "")
         )

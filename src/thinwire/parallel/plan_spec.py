@@ -1,5 +1,5 @@
 """Plans written on the command line:
-``DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...][/rcR,...|/rcsaR][:METHOD[(k=v,...)]]``.
+``DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...][/rcR,...|/rcsaR][/sbN][:METHOD[(k=v,...)]]``.
 
     2x2x2                       dp=2 pp=2 tp=2, 2 micro-batches, 1F1B, dense dp
     2x2x2/mb4/gpipe:powersgd(rank=4)
@@ -8,6 +8,8 @@
     1x4x2/mb8/rc1               every stage recomputes all its blocks
     1x4x2/mb8/rc1,0.5,0.5,0     a recomputation ratio per stage
     1x4x2/mb8/rcsa0.75          Merak's stage-aware ratios from the first stage's 0.75
+    1x1x4/mb2/sb2               each micro-batch as 2 sub-batches in turns (tp all-reduces
+                                overlapping compute)
 
 Micro-batches default to ``pp`` (the fewest 1F1B accepts). Option values are read as
 Python literals (numbers, booleans, strings).
@@ -47,18 +49,20 @@ def parse_plan(spec: str) -> ParallelPlan:
     match = _PLAN.match(spec.strip())
     if match is None:
         raise ValueError(
-            f"cannot read plan {spec!r}: write DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...]"
+            f"cannot read plan {spec!r}: write DPxPPxTP[/mbN][/SCHEDULE][/stagesB,...][/rcR][/sbN]"
             "[:METHOD(k=v,...)], "
             "e.g. 2x2x2/mb4/1f1b:powersgd(rank=4)"
         )
     dp, pp, tp = (int(match[name]) for name in ("dp", "pp", "tp"))
-    microbatches, schedule, stages, recompute = pp, "1f1b", None, None
+    microbatches, schedule, stages, recompute, subbatches = pp, "1f1b", None, None, 1
     number = r"\d+(?:\.\d*)?|\.\d+"
     for part in filter(None, match["parts"].split("/")):
         if part.startswith("mb") and part[2:].isdigit():
             microbatches = int(part[2:])
         elif part.startswith("stages") and re.fullmatch(r"\d+(,\d+)*", part[6:]):
             stages = tuple(int(b) for b in part[6:].split(","))
+        elif part.startswith("sb") and part[2:].isdigit():
+            subbatches = int(part[2:])
         elif part in SCHEDULES:
             schedule = part
         elif part.startswith("rcsa") and re.fullmatch(number, part[4:]):
@@ -69,7 +73,7 @@ def parse_plan(spec: str) -> ParallelPlan:
             raise ValueError(
                 f"plan {spec!r}: {part!r} is neither mbN (micro-batches), a schedule "
                 f"({', '.join(SCHEDULES)}), stagesB,... (where stages start), rcR,... "
-                "(recomputation ratios) nor rcsaR (stage-aware recomputation)"
+                "(recomputation ratios), rcsaR (stage-aware recomputation) nor sbN (sub-batches)"
             )
     method = match["method"] or "dense"
     options = parse_options(match["options"] or "", spec)
@@ -80,7 +84,7 @@ def parse_plan(spec: str) -> ParallelPlan:
         recompute = recompute * chunks
     return ParallelPlan(
         dp=dp, pp=pp, tp=tp, microbatches=microbatches, schedule=schedule, stages=stages,
-        recompute=recompute, dp_method=method, dp_options=options,
+        recompute=recompute, subbatches=subbatches, dp_method=method, dp_options=options,
     )  # fmt: skip
 
 
@@ -99,6 +103,8 @@ def plan_label(plan: ParallelPlan) -> str:
         label += "/stages" + ",".join(map(str, plan.stages))
     if plan.recompute:
         label += "/rc" + ",".join(f"{r:g}" for r in plan.recompute)
+    if plan.subbatches > 1:
+        label += f"/sb{plan.subbatches}"
     if plan.dp_method != "dense":
         options = ",".join(f"{k}={v}" for k, v in sorted(plan.dp_options.items()))
         label += f":{plan.dp_method}" + (f"({options})" if options else "")

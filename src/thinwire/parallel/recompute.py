@@ -93,9 +93,11 @@ _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 class Recomputation:
-    """The checkpointed segments of one stage's micro-batches, oldest first."""
+    """The checkpointed segments of one stage's micro-batches, oldest first (``parts``
+    of them per micro-batch when it runs in sub-batches)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: int = 1) -> None:
+        self.parts = parts
         self.pending: deque[_Pending] = deque()
         self.recomputed = 0
         """Segments rebuilt so far (by :meth:`recompute_next` or by a backward)."""
@@ -129,13 +131,16 @@ class Recomputation:
         return [p for p in self.pending if p.node() is not None]
 
     def recompute_next(self) -> bool:
-        """Rebuild the oldest segment whose graph is not rebuilt yet; ``False`` if none is
-        pending."""
-        for pending in self._live():
-            if pending.rebuilt is None:
-                self._rebuild(pending)
-                return True
-        return False
+        """Rebuild the oldest micro-batch's segment whose graph is not rebuilt yet (its
+        sub-batches' in turns); ``False`` if none is pending."""
+        waiting = [p for p in self._live() if p.rebuilt is None][: self.parts]
+        if len(waiting) > 1:
+            from thinwire.parallel.subpipeline import in_turns
+
+            in_turns([lambda p=p: self._rebuild(p) for p in waiting])
+        elif waiting:
+            self._rebuild(waiting[0])
+        return bool(waiting)
 
     def _rebuild(self, pending: _Pending) -> None:
         (x,) = pending.node().saved_tensors

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from thinwire.parallel.layout import ModelLayout, submodule
 from thinwire.parallel.recompute import Recomputation, checkpointed_blocks
+from thinwire.parallel.subpipeline import SubBatches
 
 
 def even_boundaries(blocks: int, stages: int) -> tuple[int, ...]:
@@ -52,7 +53,9 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module | None) -> None
 class StageModule(nn.Module):
     """One pipeline stage: the blocks in ``blocks`` of a copy of ``model``, with the
     embedding if ``first`` and the norm and head if ``last``; the last ``recompute`` of its
-    blocks run checkpointed (:mod:`thinwire.parallel.recompute`)."""
+    blocks run checkpointed (:mod:`thinwire.parallel.recompute`); with ``subbatches > 1``
+    it runs each micro-batch as that many sub-batches taking turns
+    (:mod:`thinwire.parallel.subpipeline`), each with its own checkpointed segment."""
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class StageModule(nn.Module):
         first: bool,
         last: bool,
         recompute: float = 0.0,
+        subbatches: int = 1,
     ) -> None:
         super().__init__()
         kept = copy.deepcopy(model)
@@ -77,7 +81,8 @@ class StageModule(nn.Module):
         self.first, self.last, self.block_range = first, last, blocks
         self.checkpointed = checkpointed_blocks(recompute, len(blocks))
         """How many of the stage's last blocks run checkpointed."""
-        self.recomputation = Recomputation()
+        self.subbatches = SubBatches(subbatches)
+        self.recomputation = Recomputation(subbatches)
 
     def blocks(self) -> list[nn.Module]:
         """This stage's blocks, in order."""
@@ -85,12 +90,16 @@ class StageModule(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Tokens (first stage) or hidden states in; hidden states or logits (last) out."""
+        trained = [p for p in self.parameters() if p.requires_grad]
+        return self.subbatches.run(self._forward, x, trained)
+
+    def _forward(self, x: Tensor) -> Tensor:
         if self.first:
             x = self.layout.embed(self.model, x)
         blocks = self.blocks()
         kept = len(blocks) - self.checkpointed
-        for block in blocks[:kept]:
-            x = self.layout.run_block(self.model, block, x)
+        if kept:
+            x = self._run_blocks(blocks[:kept], x)
         if self.checkpointed:
             segment = blocks[kept:]
             x = self.recomputation.run(

@@ -24,6 +24,7 @@ from thinwire.plan.stage_profile import (
     stage_of,
     task_source,
 )
+from thinwire.plan.turns import in_subbatches, join_passes, turn_pass
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,32 @@ def compose_stage(
         return cost
     segment = [parts.blocks[i] for i in blocks[len(blocks) - count :]]
     rebuilt = sum(p.saved_bytes for p in segment)
+    n = cost.subbatches
+    turns = cost.turns
+    if turns is not None:
+        turns = (turns[0], turns[1], join_passes([turn_pass(p.forward) for p in segment]))
     return replace(
         cost,
         saved_bytes=cost.saved_bytes - rebuilt + parts.hidden_bytes,
         rebuilt_bytes=rebuilt,
         segment_input_bytes=parts.hidden_bytes,
         after_segment_bytes=parts.last.saved_bytes if last else 0,
-        recompute_s=sum(p.forward.compute_s for p in segment),
-        recompute_allreduces=tuple(c.nbytes for p in segment for c in p.forward.collectives),
+        recompute_s=sum(p.forward_s for p in segment),
+        recompute_allreduces=tuple(c.nbytes for p in segment for c in p.forward.collectives) * n,
+        turns=turns,
+    )
+
+
+def in_subbatches_of(parts: BlockProfiles, subbatches: int) -> BlockProfiles:
+    """``parts`` profiled on one sub-batch, as the parts of a micro-batch of
+    ``subbatches`` of them (:func:`thinwire.plan.turns.in_subbatches`)."""
+    if subbatches == 1:
+        return parts
+    return BlockProfiles(
+        first=in_subbatches(parts.first, subbatches),
+        blocks=tuple(in_subbatches(p, subbatches) for p in parts.blocks),
+        last=in_subbatches(parts.last, subbatches),
+        hidden_bytes=parts.hidden_bytes * subbatches,
     )
 
 
@@ -126,13 +145,25 @@ def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:
     from thinwire.plan.hybrid_cost import StageCost
 
     exchange = join_method_costs([p.dp_cost for p in profiles if p.dp_cost is not None])
+    parts = profiles[0].subbatches
+
+    def each(collectives: list[Any]) -> tuple[int, ...]:
+        return tuple(c.nbytes for c in collectives) * parts
+
+    loss = tuple(c.nbytes for p in profiles for c in p.loss_collectives)
+    recomputing = [p for p in profiles if p.recompute]
+    turns = None
+    if parts > 1:
+        turns = (
+            join_passes([turn_pass(p.forward) for p in profiles]),
+            join_passes([turn_pass(p.backward) for p in profiles]),
+            join_passes([turn_pass(p.recompute) for p in recomputing]),
+        )
     return StageCost(
-        forward_s=sum(p.forward.compute_s for p in profiles),
-        backward_s=sum(p.backward.compute_s for p in profiles),
-        forward_allreduces=tuple(c.nbytes for p in profiles for c in p.forward.collectives),
-        backward_allreduces=tuple(
-            c.nbytes for p in profiles for c in (*p.backward.collectives, *p.loss_collectives)
-        ),
+        forward_s=sum(p.forward_s for p in profiles),
+        backward_s=sum(p.backward_s for p in profiles),
+        forward_allreduces=each([c for p in profiles for c in p.forward.collectives]),
+        backward_allreduces=each([c for p in profiles for c in p.backward.collectives]) + loss,
         activation_bytes=activation_bytes,
         dp_cost=exchange,
         optimizer_s=sum(p.optimizer_s for p in profiles),
@@ -145,13 +176,14 @@ def cost_of(profiles: Sequence[StageProfile], activation_bytes: int) -> Any:
             p.saved_bytes - p.recompute_saved + (p.input_bytes if p.recompute else 0)
             for p in profiles
         ),
-        recompute_s=sum(p.recompute.compute_s for p in profiles if p.recompute),
-        recompute_allreduces=tuple(
-            c.nbytes for p in profiles if p.recompute for c in p.recompute.collectives
-        ),
-        rebuilt_bytes=sum(p.recompute_saved for p in profiles if p.recompute),
-        segment_input_bytes=sum(p.input_bytes for p in profiles if p.recompute),
-        after_segment_bytes=sum(p.tail_saved_bytes for p in profiles if p.recompute),
+        recompute_s=sum(p.recompute_s for p in recomputing),
+        recompute_allreduces=each([c for p in recomputing for c in p.recompute.collectives]),
+        rebuilt_bytes=sum(p.recompute_saved for p in recomputing),
+        segment_input_bytes=sum(p.input_bytes for p in recomputing),
+        after_segment_bytes=sum(p.tail_saved_bytes for p in recomputing),
+        subbatches=parts,
+        turns=turns,
+        loss_allreduces=loss,
     )
 
 

@@ -40,7 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--intra-latency", default="50us", help="within a host (nominal)")
     group.add_argument("--memory", default="", help="limit per rank, e.g. 8GiB (default none)")
     group.add_argument("--microbatches", default="1,2,4,8", help="micro-batch counts to try")
-    group.add_argument("--schedules", default="gpipe,1f1b", help="pipeline schedules to try")
+    group.add_argument(
+        "--schedules",
+        default="gpipe,1f1b,shifted-1f1b",
+        help="pipeline schedules to try (shifted-1f1b only where a plan recomputes)",
+    )
+    group.add_argument(
+        "--subbatches",
+        default="1,2",
+        help="sub-batches per micro-batch to try for tp > 1 (all-reduces overlapping compute)",
+    )
     group.add_argument(
         "--dp-methods",
         default="dense;powersgd(rank=4);dgc(density=0.01,momentum=0.0)",
@@ -159,10 +168,13 @@ def run_from_args(args: argparse.Namespace) -> int:
             microbatches=_numbers(args.microbatches, "microbatches"),
             schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
             methods=parse_methods(args.dp_methods),
+            subbatches=_numbers(args.subbatches, "subbatches"),
         )
-        unknown = set(space.schedules) - {"gpipe", "1f1b"}
+        unknown = set(space.schedules) - {"gpipe", "1f1b", "shifted-1f1b"}
         if unknown:
-            raise ValueError(f"--schedules: the planner simulates gpipe and 1f1b, not {unknown}")
+            raise ValueError(
+                f"--schedules: the planner searches gpipe, 1f1b and shifted-1f1b, not {unknown}"
+            )
         if args.json and Path(args.json).is_dir():
             raise ValueError(f"--json {args.json} is a directory; give the file to write")
         result, costs = plan_for(

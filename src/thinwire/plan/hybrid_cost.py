@@ -24,7 +24,7 @@ The step is the last stage to finish. :class:`PlanPrediction` breaks it down.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from thinwire.plan.network import GLOO_STEP_DELAYS, Link
 from thinwire.plan.plan_traffic import rank_at
 from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
 from thinwire.plan.schedule_sim import Message, StageTimes, simulate
+from thinwire.plan.turns import TurnPass, in_turns_s
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,45 @@ class StageCost:
     after_segment_bytes: int = 0
     """What the parts after the segment save (the head and loss, on the last stage),
     freed by their backward before the segment is recomputed."""
+    subbatches: int = 1
+    """Sub-batches per micro-batch, taking turns (:mod:`thinwire.plan.turns`)."""
+    turns: tuple[TurnPass, TurnPass, TurnPass] | None = None
+    """With sub-batches: one sub-batch's forward, backward (the loss's all-reduces apart)
+    and recomputation, in the order the turns run them."""
+    loss_allreduces: tuple[int, ...] = ()
+    """Bytes of the vocabulary-parallel loss's all-reduces (counted in
+    :attr:`backward_allreduces` too), run once per micro-batch."""
+
+    def with_compute(self, forward_s: float, backward_s: float, recompute_s: float) -> StageCost:
+        """This stage computing ``forward_s``, ``backward_s`` and ``recompute_s`` per
+        micro-batch instead (the sub-batches' passes scaled alike)."""
+        turns = self.turns
+        if turns is not None:
+            wanted = (forward_s, backward_s, recompute_s)
+            had = (self.forward_s, self.backward_s, self.recompute_s)
+            turns = tuple(  # type: ignore[assignment]
+                one.scaled(want / have if have else 1.0)
+                for one, want, have in zip(turns, wanted, had, strict=True)
+            )
+        return replace(
+            self, forward_s=forward_s, backward_s=backward_s, recompute_s=recompute_s, turns=turns
+        )
+
+    def pass_times(self, allreduce_s: Callable[[int], float]) -> tuple[float, float, float]:
+        """One micro-batch's forward, backward and recomputation, all-reduces included
+        (one of ``b`` bytes takes ``allreduce_s(b)``): one after another, or with
+        sub-batches overlapping them in turns."""
+        if self.turns is None or self.subbatches == 1:
+            return (
+                self.forward_s + sum(map(allreduce_s, self.forward_allreduces)),
+                self.backward_s + sum(map(allreduce_s, self.backward_allreduces)),
+                self.recompute_s + sum(map(allreduce_s, self.recompute_allreduces)),
+            )
+        forward, backward, recompute = (
+            in_turns_s(one, self.subbatches, allreduce_s) for one in self.turns
+        )
+        loss = sum(map(allreduce_s, self.loss_allreduces))
+        return forward, backward + loss, recompute if self.recompute_s else 0.0
 
     def memory(self, in_flight: int) -> dict[str, int]:
         """Bytes one rank of this stage holds with ``in_flight`` micro-batches' activations
@@ -310,17 +350,11 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     if len(stages) != degrees.pp:
         raise ValueError(f"pp={degrees.pp} needs a cost per stage, got {len(stages)}")
     links = PlanOnLinks(degrees, probe)
+    times = [StageTimes(*s.pass_times(links.tp_allreduce_s)) for s in stages]
+    # the all-reduces' time the passes wait for (sub-batches hide some of it)
     tensor = [
-        sum(links.tp_allreduce_s(b) for b in (*s.forward_allreduces, *s.backward_allreduces))
-        for s in stages
-    ]
-    times = [
-        StageTimes(
-            s.forward_s + sum(links.tp_allreduce_s(b) for b in s.forward_allreduces),
-            s.backward_s + sum(links.tp_allreduce_s(b) for b in s.backward_allreduces),
-            s.recompute_s + sum(links.tp_allreduce_s(b) for b in s.recompute_allreduces),
-        )
-        for s in stages
+        t.forward_s + t.backward_s - s.forward_s - s.backward_s
+        for s, t in zip(stages, times, strict=True)
     ]
     crossings = [links.message(b, stages[b].activation_bytes) for b in range(degrees.pp - 1)]
     messages = [message for message, _ in crossings]

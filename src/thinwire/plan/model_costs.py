@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from thinwire.data_parallel.buckets import MB
-from thinwire.plan.block_profiles import BlockProfiles, compose_stage
+from thinwire.plan.block_profiles import BlockProfiles, compose_stage, in_subbatches_of
 from thinwire.plan.cost import BucketCost, MethodCost
 from thinwire.plan.hybrid_cost import StageCost
 from thinwire.plan.model_source import ModelSource
@@ -79,12 +79,13 @@ class ModelCosts:
 
     def stage(
         self, tp: int, microbatch: int, dp: int, method: Method, blocks: range, *,
-        first: bool, last: bool, recompute: float = 0.0,
+        first: bool, last: bool, recompute: float = 0.0, subbatches: int = 1,
     ) -> StageCost:  # fmt: skip
         """One rank's cost of a stage holding ``blocks`` (and the embedding if ``first``,
         the head and loss if ``last``) under ``tp`` and ``dp`` with ``method``,
-        recomputing ``recompute`` of its blocks."""
-        parts = self.compute[(tp, microbatch)]
+        recomputing ``recompute`` of its blocks, each micro-batch in ``subbatches``
+        sub-batches (its parts profiled at the sub-batch's size)."""
+        parts = in_subbatches_of(self.compute[(tp, microbatch // subbatches)], subbatches)
         cost = compose_stage(parts, blocks, first=first, last=last, recompute=recompute)
         if dp == 1:
             return cost

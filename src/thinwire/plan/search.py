@@ -50,6 +50,9 @@ class SearchSpace:
     recompute: bool = True
     """Whether a plan over the memory limit may recompute (each stage the least of its
     blocks that fits: :mod:`thinwire.plan.recompute_choice`)."""
+    subbatches: tuple[int, ...] = (1, 2)
+    """Sub-batches per micro-batch tried for plans with ``tp > 1`` (each micro-batch's
+    tensor-parallel all-reduces overlapping compute: :mod:`thinwire.parallel.subpipeline`)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Shape:
     microbatches: int
     schedule: str
     method: Method
+    subbatches: int = 1
 
     def microbatch_size(self, batch: int) -> int:
         """Sequences per micro-batch when each data-parallel rank takes its slice."""
@@ -76,7 +80,7 @@ class Shape:
         return ParallelPlan(
             dp=self.dp, pp=self.pp, tp=self.tp, microbatches=self.microbatches,
             schedule=self.schedule, stages=stages or None, recompute=recompute,
-            dp_method=name, dp_options=dict(options),
+            subbatches=self.subbatches, dp_method=name, dp_options=dict(options),
         )  # fmt: skip
 
 
@@ -110,7 +114,10 @@ def shapes(
                     if schedule in ("1f1b", "shifted-1f1b") and pp > 1 and m < pp:
                         continue  # 1F1B with fewer micro-batches than stages is GPipe
                     for method in space.methods if dp > 1 else [("dense", {})]:
-                        kept.append(Shape(dp, pp, tp, m, schedule, method))
+                        for parts in space.subbatches if tp > 1 else (1,):
+                            if (batch // (dp * m)) % parts:
+                                continue  # micro-batches too small to split so
+                            kept.append(Shape(dp, pp, tp, m, schedule, method, parts))
     return kept, refused
 
 
@@ -121,7 +128,7 @@ def needs(
     sizes: dict[int, set[int]] = {}
     exchanges: dict[int, dict[tuple, tuple[int, Method]]] = {}
     for shape in found:
-        sizes.setdefault(shape.tp, set()).add(shape.microbatch_size(batch))
+        sizes.setdefault(shape.tp, set()).add(shape.microbatch_size(batch) // shape.subbatches)
         wanted = exchanges.setdefault(shape.tp, {})
         if shape.dp > 1:
             name, options = shape.method
@@ -197,11 +204,12 @@ def _part_costs(
     mb = shape.microbatch_size(costs.batch_size)
 
     def part(blocks: range, first: bool = False, last: bool = False) -> PartCost:
-        stage = costs.stage(shape.tp, mb, shape.dp, shape.method, blocks, first=first, last=last)
-        collectives = (*stage.forward_allreduces, *stage.backward_allreduces)
-        seconds = stage.forward_s + stage.backward_s
-        seconds += sum(links.tp_allreduce_s(b) for b in collectives)
-        return PartCost(seconds, stage.memory(0)["total"], stage.saved_bytes)
+        stage = costs.stage(
+            shape.tp, mb, shape.dp, shape.method, blocks, first=first, last=last,
+            subbatches=shape.subbatches,
+        )  # fmt: skip
+        forward, backward, _ = stage.pass_times(links.tp_allreduce_s)
+        return PartCost(forward + backward, stage.memory(0)["total"], stage.saved_bytes)
 
     first = part(range(0), first=True)
     blocks = [part(range(i, i + 1)) for i in range(costs.blocks)]
@@ -245,7 +253,7 @@ def _stage_costs(
     return tuple(
         costs.stage(
             shape.tp, mb, shape.dp, shape.method, kept, first=s == 0, last=s == shape.pp - 1,
-            recompute=ratios[s] if ratios else 0.0,
+            recompute=ratios[s] if ratios else 0.0, subbatches=shape.subbatches,
         )
         for s, kept in enumerate(ranges)
     )  # fmt: skip
@@ -260,7 +268,7 @@ def _least_ratios(
     def held(s: int, ratio: float) -> int:
         stage = costs.stage(
             shape.tp, mb, shape.dp, shape.method, ranges[s], first=s == 0,
-            last=s == shape.pp - 1, recompute=ratio,
+            last=s == shape.pp - 1, recompute=ratio, subbatches=shape.subbatches,
         )  # fmt: skip
         return stage.memory(in_flight(shape.schedule, s, shape.pp, shape.microbatches))["total"]
 

@@ -111,6 +111,25 @@ class StageProfile:
     """A block's input per micro-batch (what a checkpointed segment keeps)."""
     recompute_saved: int = 0
     """What :attr:`recompute` saves again (its input included)."""
+    subbatches: int = 1
+    """Sub-batches per micro-batch (:mod:`thinwire.plan.turns`): :attr:`forward`,
+    :attr:`backward` and :attr:`recompute` are one sub-batch's, run this many times in
+    turns; everything else is per micro-batch."""
+
+    @property
+    def forward_s(self) -> float:
+        """One micro-batch's forward compute (every sub-batch's)."""
+        return self.subbatches * self.forward.compute_s
+
+    @property
+    def backward_s(self) -> float:
+        """One micro-batch's backward compute (every sub-batch's)."""
+        return self.subbatches * self.backward.compute_s
+
+    @property
+    def recompute_s(self) -> float:
+        """One micro-batch's recomputation (every sub-batch's); 0 without one."""
+        return self.subbatches * self.recompute.compute_s if self.recompute else 0.0
 
     def recomputing(self, blocks: int, ratio: float) -> StageProfile:
         """This profile for a stage of ``blocks`` blocks recomputing ``ratio`` of them
@@ -131,8 +150,10 @@ class StageProfile:
     @property
     def tp_allreduce_bytes(self) -> list[int]:
         """The sizes of every tensor-parallel all-reduce per micro-batch."""
-        passes = (*self.forward.collectives, *self.backward.collectives, *self.loss_collectives)
-        return [c.nbytes for c in passes]
+        passes = (*self.forward.collectives, *self.backward.collectives)
+        return [c.nbytes for c in passes] * self.subbatches + [
+            c.nbytes for c in self.loss_collectives
+        ]
 
     @property
     def activation_bytes(self) -> int:
@@ -443,8 +464,13 @@ def profile_plan(
     """Every stage of ``plan``, profiled one after another in a fresh process on the fake
     process group (so that each has this machine's core to itself); ``optimizer``
     (``"adamw"`` or ``"sgd"``) is timed over each stage's shard. ``segments``: time what
-    recomputing each number of blocks costs (:attr:`StageProfile.segment_passes`)."""
-    return in_fresh_process(
-        _profile_in_fake_world, task_name, task_options, plan, microbatch, repeats, optimizer,
-        segments,
+    recomputing each number of blocks costs (:attr:`StageProfile.segment_passes`). A plan
+    with sub-batches is profiled on one sub-batch (:func:`thinwire.plan.turns.in_subbatches`)."""
+    from thinwire.plan.turns import in_subbatches
+
+    parts = plan.subbatches
+    profiles = in_fresh_process(
+        _profile_in_fake_world, task_name, task_options, plan, microbatch // parts, repeats,
+        optimizer, segments,
     )  # fmt: skip
+    return [in_subbatches(p, parts) for p in profiles]

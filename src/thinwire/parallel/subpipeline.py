@@ -1,0 +1,282 @@
+"""Sub-pipelined tensor parallelism (Merak's third technique): a stage's blocks run each
+micro-batch as ``n`` sub-batches taking turns, so that the all-reduce one sub-batch waits
+for overlaps the compute of the next.
+
+Under tensor parallelism every block waits twice in the forward (after attention's
+output projection and after the MLP's down projection, PyTorch's ``RowwiseParallel``) and
+again in the backward (the input gradients of the column-parallel projections). Here each
+sub-batch runs the stage's blocks in a thread of its own, and the threads take strict
+turns: a thread computes until it must wait for a collective, hands the turn to the next
+sub-batch, waits, and takes its turn again when it comes round. The collectives
+themselves start when they are issued (``torch.distributed``'s functional collectives and
+gloo's work threads), so the link carries one sub-batch's all-reduce while the processor
+computes the next's. Nothing in the blocks changes: this works for any block whose
+collectives are ``torch.distributed`` functional ones (thinwire's GPT and Llama-style
+blocks, Hugging Face's Llama).
+
+The turns are a fixed round robin, not first-come: every rank of the ``"tp"`` group
+issues its collectives in the same order, whatever the timing. The backward runs the
+sub-batches' graphs the same way, each in its turn, and returns the parameters' gradients
+summed over the sub-batches (nothing is accumulated behind autograd's back).
+
+Each sub-batch draws from a random stream of its own (the CPU generator's state is
+swapped at every change of turn): in the forward, streams seeded from one draw of the
+caller's generator, so dropout masks differ from an unsplit run's (each sample's math is
+otherwise the same) but not from run to run; a checkpointed segment recomputed inside a
+sub-batch's turns replays its own stream exactly. On CUDA the autograd
+engine runs every backward on one device thread, where turns would deadlock: sub-batches
+run on CPU ranks (gloo) in this version.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_WAIT = "_c10d_functional.wait_tensor.default"
+
+
+class _Turns:
+    """A strict round robin among workers ``0 .. n - 1``; a finished worker leaves it."""
+
+    def __init__(self, workers: int, streams: list[Tensor]) -> None:
+        self.order = list(range(workers))
+        self.streams = streams
+        """Each worker's random generator state while it does not hold the turn."""
+        self.position = 0
+        self.failed: BaseException | None = None
+        self.changed = threading.Condition()
+
+    def take(self, worker: int) -> None:
+        """Block until it is ``worker``'s turn (or another worker failed)."""
+        with self.changed:
+            self.changed.wait_for(
+                lambda: self.failed is not None or self.order[self.position] == worker
+            )
+            if self.failed is not None:
+                raise RuntimeError("another sub-batch failed") from self.failed
+        torch.set_rng_state(self.streams[worker])
+
+    def hand_on(self, worker: int) -> None:
+        """``worker`` is waiting: the next worker in the round computes."""
+        self.streams[worker] = torch.get_rng_state()
+        with self.changed:
+            self.position = (self.order.index(worker) + 1) % len(self.order)
+            self.changed.notify_all()
+
+    def leave(self, worker: int, error: BaseException | None = None) -> None:
+        """``worker`` is done (or failed with ``error``, which stops the others)."""
+        with self.changed:
+            if error is not None and self.failed is None:
+                self.failed = error
+            index = self.order.index(worker)
+            self.order.pop(index)
+            self.position = index % len(self.order) if self.order else 0
+            self.changed.notify_all()
+
+
+class _YieldAtWaits(TorchDispatchMode):
+    """Hands the turn on whenever its worker is about to wait for a collective: an
+    explicit ``wait_tensor`` or an operation reading a collective's unfinished result."""
+
+    def __init__(self, turns: _Turns, worker: int) -> None:
+        super().__init__()
+        self.turns, self.worker = turns, worker
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        pending = [
+            a
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, AsyncCollectiveTensor) and not a.completed
+        ]
+        if str(func) != _WAIT and not pending:
+            return func(*args, **kwargs)
+        self.turns.hand_on(self.worker)
+        try:
+            for tensor in pending:
+                tensor.wait()
+            result = func(*args, **kwargs)
+        finally:
+            self.turns.take(self.worker)
+        return result
+
+
+def in_turns(jobs: Sequence[Callable[[], Any]], fresh_streams: bool = False) -> list[Any]:
+    """Run ``jobs`` in threads of their own taking strict turns between collectives
+    (job 0 first); their results in order. The first error is raised once all stopped.
+
+    Each job draws from its own random stream: with ``fresh_streams`` seeded from one
+    draw of the caller's generator, else each starting from the caller's state, which is
+    left as it was."""
+    if fresh_streams:
+        seeds = torch.randint(0, 2**62, (len(jobs),)).tolist()
+        streams = [torch.Generator().manual_seed(seed).get_state() for seed in seeds]
+    else:
+        streams = [torch.get_rng_state()] * len(jobs)
+    after = torch.get_rng_state()
+    try:
+        return _run_in_turns(jobs, _Turns(len(jobs), streams))
+    finally:
+        torch.set_rng_state(after)
+
+
+def _run_in_turns(jobs: Sequence[Callable[[], Any]], turns: _Turns) -> list[Any]:
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * len(jobs)
+    grad, autocast = torch.is_grad_enabled(), _autocast_state()
+
+    def work(worker: int) -> None:
+        error: BaseException | None = None
+        try:
+            turns.take(worker)
+            with torch.set_grad_enabled(grad), _autocast(autocast), _YieldAtWaits(turns, worker):
+                results[worker] = jobs[worker]()
+        except BaseException as caught:  # handed to the caller below
+            error = caught
+        turns.leave(worker, error)
+        if error is not None:
+            errors[worker] = error
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first = next((e for e in errors if e is not None and "another sub-batch" not in str(e)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    kinds = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
+
+
+class _autocast:  # noqa: N801 - a context manager, named like torch.autocast
+    """The autocast state of the calling thread, entered in a worker thread."""
+
+    def __init__(self, state: list[tuple[str, bool, torch.dtype]]) -> None:
+        self.managers = [torch.autocast(k, dtype=d, enabled=e) for k, e, d in state]
+
+    def __enter__(self) -> None:
+        for manager in self.managers:
+            manager.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for manager in reversed(self.managers):
+            manager.__exit__(*exc)
+
+
+def split_batch(x: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """``x`` cut into ``parts`` equal sub-batches along its first dimension, or an error
+    saying which sizes work."""
+    if x.shape[0] % parts:
+        raise ValueError(
+            f"a micro-batch of {x.shape[0]} sequences does not split into subbatches={parts} "
+            "equal sub-batches: use a micro-batch size (batch / (dp * microbatches)) that is "
+            f"a multiple of {parts}, or fewer sub-batches"
+        )
+    return x.chunk(parts)
+
+
+class SubBatches:
+    """Runs a stage's blocks on ``parts`` sub-batches in turns (see the module's docstring)."""
+
+    def __init__(self, parts: int) -> None:
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"subbatches must be an integer >= 1, got {parts!r}")
+        self.parts = parts
+
+    def run(
+        self, blocks: Callable[[Tensor], Tensor], x: Tensor, parameters: Sequence[Tensor]
+    ) -> Tensor:
+        """``blocks(x)``, computed sub-batch by sub-batch in turns (``parameters``: those
+        ``blocks`` uses, whose gradients the backward returns)."""
+        if self.parts == 1 or x.device.type == "meta":
+            return blocks(x)
+        if x.is_cuda:
+            raise NotImplementedError(
+                "sub-batches (subbatches > 1) run on CPU ranks in this version: the CUDA "
+                "autograd engine runs backward passes on one device thread, where the "
+                "sub-batches' turns would deadlock. Use subbatches=1 on GPUs"
+            )
+        pieces = split_batch(x, self.parts)
+        if not torch.is_grad_enabled():
+            return torch.cat(in_turns([lambda p=p: blocks(p) for p in pieces], fresh_streams=True))
+        trained = tuple(p for p in parameters if p.requires_grad)
+        graphs = _Graphs(blocks, self.parts)
+        return _InTurns.apply(x, graphs, *trained)
+
+
+class _Graphs:
+    """The sub-batches' graphs of one micro-batch, from its forward to its backward."""
+
+    def __init__(self, blocks: Callable[[Tensor], Tensor], parts: int) -> None:
+        self.blocks, self.parts = blocks, parts
+        self.inputs: list[Tensor] = []
+        self.outputs: list[Tensor] = []
+        self.parameters: tuple[Tensor, ...] = ()
+
+    def forward(self, x: Tensor, parameters: tuple[Tensor, ...]) -> Tensor:
+        self.parameters = parameters
+        self.inputs = [
+            p.detach().requires_grad_(x.requires_grad) for p in split_batch(x, self.parts)
+        ]
+        with torch.enable_grad():
+            jobs = [lambda p=p: self.blocks(p) for p in self.inputs]
+            self.outputs = in_turns(jobs, fresh_streams=True)
+        return torch.cat([y.detach() for y in self.outputs])
+
+    def backward(self, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if not self.outputs:
+            raise RuntimeError(
+                "the sub-batches' graphs were freed by an earlier backward: a micro-batch's "
+                "backward runs once (use retain_graph=False)"
+            )
+        grads = grad.chunk(self.parts)
+        track_input = self.inputs[0].requires_grad
+        jobs = []
+        for x, y, g in zip(self.inputs, self.outputs, grads, strict=True):
+            wanted = ([x] if track_input else []) + list(self.parameters)
+            jobs.append(lambda y=y, g=g, w=wanted: torch.autograd.grad(y, w, g, allow_unused=True))
+        per_part = in_turns(jobs)
+        self.inputs, self.outputs = [], []
+        x_grad = torch.cat([g[0] for g in per_part]) if track_input else None
+        offset = 1 if track_input else 0
+        summed: list[Tensor | None] = []
+        for k in range(len(self.parameters)):
+            parts = [g[offset + k] for g in per_part if g[offset + k] is not None]
+            summed.append(_sum(parts) if parts else None)
+        return (x_grad, *summed)
+
+
+def _sum(tensors: list[Tensor]) -> Tensor:
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total
+
+
+class _InTurns(torch.autograd.Function):
+    """A stage's blocks run in sub-batches; its backward runs theirs in turns and returns
+    the input's gradient and the parameters' summed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, graphs: _Graphs, *parameters: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.graphs = graphs
+        return graphs.forward(x, parameters)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x_grad, *parameter_grads = ctx.graphs.backward(grad)
+        return (x_grad, None, *parameter_grads)

@@ -1,0 +1,167 @@
+"""Sub-batches in turns (Merak's sub-pipelined tensor parallelism), in one process: the
+turns interleave at collectives, errors stop every sub-batch, random streams, the stage's
+gradients, the plan's option and the cost model's time of a pass in turns.
+
+The multi-rank parity (losses and weights equal the run without sub-batches) is in
+``test_parallel_parity.py``; the throughput in ``thinwire bench`` (docs/measurements.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from thinwire.parallel import ParallelPlan
+from thinwire.parallel.layout import read_layout
+from thinwire.parallel.plan_spec import parse_plan
+from thinwire.parallel.stages import StageModule
+from thinwire.parallel.subpipeline import in_turns
+from thinwire.plan.stage_profile import Collective, Pass, StageProfile
+from thinwire.plan.turns import TurnPass, in_subbatches, in_turns_s, join_passes
+from thinwire.tasks.transformer import TransformerConfig, TransformerLM
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fake_group():
+    """PyTorch's fake process group of 2 ranks (collectives return their input)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_a_sub_batch_hands_on_its_turn_while_its_all_reduce_runs(fake_group) -> None:
+    log = []
+
+    def job(i: int):
+        def run() -> torch.Tensor:
+            a = funcol.all_reduce(torch.ones(3), "sum", fake_group)
+            log.append(f"issue {i}")
+            b = a + 1  # waits for the all-reduce: the other sub-batch computes meanwhile
+            log.append(f"use {i}")
+            return b
+
+        return run
+
+    results = in_turns([job(0), job(1)])
+    assert log == ["issue 0", "issue 1", "use 0", "use 1"]
+    assert all(torch.equal(r, torch.full((3,), 2.0)) for r in results)
+
+
+def test_an_error_in_one_sub_batch_stops_them_all(fake_group) -> None:
+    def failing() -> None:
+        funcol.all_reduce(torch.ones(3), "sum", fake_group).add_(1)
+        raise ValueError("broken sub-batch")
+
+    def waiting() -> torch.Tensor:
+        a = funcol.all_reduce(torch.ones(3), "sum", fake_group)
+        return a + funcol.all_reduce(a, "sum", fake_group) * 2
+
+    with pytest.raises(ValueError, match="broken sub-batch"):
+        in_turns([waiting, failing, waiting])
+
+
+def test_each_sub_batch_draws_a_stream_of_its_own() -> None:
+    torch.manual_seed(7)
+    first = in_turns([lambda: torch.rand(4) for _ in range(2)], fresh_streams=True)
+    after_first = torch.rand(1)
+    torch.manual_seed(7)
+    again = in_turns([lambda: torch.rand(4) for _ in range(2)], fresh_streams=True)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], first[1])
+    torch.manual_seed(7)
+    torch.randint(0, 2**62, (2,))  # the one draw that seeds the streams
+    assert torch.equal(torch.rand(1), after_first)
+    # without fresh streams each job starts from the caller's state, left as it was
+    torch.manual_seed(3)
+    same = in_turns([lambda: torch.rand(2) for _ in range(2)])
+    assert torch.equal(same[0], same[1]) and torch.equal(torch.rand(2), same[0])
+
+
+def stage(subbatches: int, recompute: float = 0.0) -> StageModule:
+    torch.manual_seed(0)
+    model = TransformerLM(
+        TransformerConfig(vocab=64, dim=32, layers=3, heads=4, max_seq=8, dropout=0.1)
+    )
+    return StageModule(
+        model, read_layout(model), range(3), first=True, last=True, recompute=recompute,
+        subbatches=subbatches,
+    )  # fmt: skip
+
+
+def gradients(module: StageModule, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(5)
+    logits = module(tokens)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_a_stage_in_sub_batches_computes_the_same_gradients() -> None:
+    tokens = torch.randint(0, 64, (4, 8))
+    plain, split = stage(1).eval(), stage(2).eval()  # no dropout: the same math per sample
+    want_out, want = gradients(plain, tokens)
+    out, got = gradients(split, tokens)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_recomputation_in_sub_batches_replays_their_dropout() -> None:
+    tokens = torch.randint(0, 64, (4, 8))
+    want_out, want = gradients(stage(2).train(), tokens)
+    recomputing = stage(2, recompute=1.0).train()
+    torch.manual_seed(5)
+    logits = recomputing(tokens)
+    assert recomputing.recompute_next()  # the sub-batches' segments, rebuilt ahead
+    logits.square().mean().backward()
+    assert recomputing.recomputation.recomputed == 2
+    torch.testing.assert_close(logits.detach(), want_out, rtol=0, atol=0)
+    for name, p in recomputing.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-6, atol=0, msg=name)
+
+
+def test_the_plan_takes_sub_batches_and_refuses_what_cannot_run() -> None:
+    plan = parse_plan("1x1x4/mb2/sb2")
+    assert plan.subbatches == 2 and plan.spec() == "1x1x4/mb2/1f1b/sb2"
+    with pytest.raises(ValueError, match="tp=1 has none"):
+        ParallelPlan(subbatches=2)
+    with pytest.raises(ValueError, match="subbatches must be an integer"):
+        ParallelPlan(tp=2, subbatches=0)
+    with pytest.raises(ValueError, match="do not split into subbatches=4"):
+        ParallelPlan(tp=2, microbatches=2, subbatches=4).check_batch(12)
+    with pytest.raises(ValueError, match="does not split into subbatches=3"):
+        stage(3)(torch.randint(0, 64, (4, 8)))
+
+
+def test_a_pass_in_turns_overlaps_each_all_reduce_with_the_next_sub_batch() -> None:
+    second = lambda nbytes: 1.0  # noqa: E731
+    one = TurnPass((1.0,), (100,), 0.0)
+    # sub-batch 0 computes [0, 1], its all-reduce runs [1, 2] while sub-batch 1 computes;
+    # sub-batch 1's all-reduce runs [2, 3]
+    assert in_turns_s(one, 2, second) == 3.0
+    # two phases: the link is the bottleneck once compute equals an all-reduce
+    two = TurnPass((1.0, 1.0), (100, 100), 0.5)
+    assert in_turns_s(two, 2, second) == 5.5  # all-reduces end at 2, 3, 4, 5; tails 0.5
+    assert in_turns_s(two, 1, second) == 4.5
+    joined = join_passes([TurnPass((1.0,), (8,), 0.25), TurnPass((), (), 0.5), one])
+    assert joined == TurnPass((1.0, 1.75), (8, 100), 0.0)
+
+
+def test_a_profile_of_one_sub_batch_stands_for_the_micro_batch() -> None:
+    collective = Collective(0.1, (2, 8, 32), "torch.float32")
+    profile = StageProfile(
+        0, Pass((collective,), 0.2), Pass((collective, collective), 0.3), (2, 8, 32),
+        "torch.float32", ((32, 32),), loss_collectives=(Collective(0.0, (2, 8), "torch.float32"),),
+        saved_bytes=1000, input_bytes=2048,
+    )  # fmt: skip
+    whole = in_subbatches(profile, 2)
+    assert whole.output_shape == (4, 8, 32) and whole.saved_bytes == 2000
+    assert whole.forward_s == pytest.approx(0.6) and whole.backward_s == pytest.approx(1.0)
+    assert whole.loss_collectives[0].shape == (4, 8)
+    per_allreduce = collective.nbytes
+    assert sorted(whole.tp_allreduce_bytes) == [128] + [per_allreduce] * 6
