@@ -353,9 +353,9 @@ def test_a_stage_in_sub_batches_is_timed_in_turns(tiny):
     whole = costs.stage(plan.tp, mb // 2, plan.dp, method, blocks, first=plan.pp == 1, last=True)
     assert stage.forward_s == pytest.approx(2 * whole.forward_s)
     assert stage.forward_allreduces == whole.forward_allreduces * 2
-    second = lambda nbytes: 1e-3 + nbytes / 1e6  # noqa: E731
+    second = lambda nbytes: (1e-3, nbytes / 1e6)  # noqa: E731  (latency, bytes' time)
     forward, backward, _ = stage.pass_times(second)
     assert backward > stage.backward_s  # its all-reduces cost some time still
     assert forward == pytest.approx(in_turns_s(stage.turns[0], 2, second))
-    one_after_another = stage.forward_s + sum(map(second, stage.forward_allreduces))
+    one_after_another = stage.forward_s + sum(sum(second(b)) for b in stage.forward_allreduces)
     assert forward < one_after_another  # the all-reduces overlap the other sub-batch

@@ -139,15 +139,19 @@ def test_the_plan_takes_sub_batches_and_refuses_what_cannot_run() -> None:
 
 
 def test_a_pass_in_turns_overlaps_each_all_reduce_with_the_next_sub_batch() -> None:
-    second = lambda nbytes: 1.0  # noqa: E731
+    on_the_wire = lambda nbytes: (0.0, 1.0)  # noqa: E731  (latency, seconds of bytes)
     one = TurnPass((1.0,), (100,), 0.0)
     # sub-batch 0 computes [0, 1], its all-reduce runs [1, 2] while sub-batch 1 computes;
     # sub-batch 1's all-reduce runs [2, 3]
-    assert in_turns_s(one, 2, second) == 3.0
-    # two phases: the link is the bottleneck once compute equals an all-reduce
+    assert in_turns_s(one, 2, on_the_wire) == 3.0
+    # two phases: the wire is the bottleneck once compute equals an all-reduce
     two = TurnPass((1.0, 1.0), (100, 100), 0.5)
-    assert in_turns_s(two, 2, second) == 5.5  # all-reduces end at 2, 3, 4, 5; tails 0.5
-    assert in_turns_s(two, 1, second) == 4.5
+    assert in_turns_s(two, 2, on_the_wire) == 5.5  # all-reduces end at 2, 3, 4, 5; tails 0.5
+    assert in_turns_s(two, 1, on_the_wire) == 4.5
+    # all-reduces in flight together overlap their latencies, not their bytes
+    short = TurnPass((0.1,), (100,), 0.0)
+    assert in_turns_s(short, 2, lambda nbytes: (1.0, 0.0)) == pytest.approx(1.2)
+    assert in_turns_s(short, 2, on_the_wire) == pytest.approx(2.1)
     joined = join_passes([TurnPass((1.0,), (8,), 0.25), TurnPass((), (), 0.5), one])
     assert joined == TurnPass((1.0, 1.75), (8, 100), 0.0)
 
@@ -165,3 +169,16 @@ def test_a_profile_of_one_sub_batch_stands_for_the_micro_batch() -> None:
     assert whole.loss_collectives[0].shape == (4, 8)
     per_allreduce = collective.nbytes
     assert sorted(whole.tp_allreduce_bytes) == [128] + [per_allreduce] * 6
+
+
+def test_saved_tensor_hooks_see_the_sub_batches_activations() -> None:
+    from thinwire.plan.activations import SavedActivations
+
+    tokens = torch.randint(0, 64, (4, 8))
+    measured = []
+    for module in (stage(1).eval(), stage(2).eval()):
+        with SavedActivations(exclude=list(module.parameters())) as saved:
+            out = module(tokens)
+            measured.append(saved.peak_bytes)
+        del out
+    assert measured[1] == pytest.approx(measured[0], rel=0.02)

@@ -30,6 +30,7 @@ run on CPU ranks (gloo) in this version.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -131,13 +132,18 @@ def in_turns(jobs: Sequence[Callable[[], Any]], fresh_streams: bool = False) -> 
 def _run_in_turns(jobs: Sequence[Callable[[], Any]], turns: _Turns) -> list[Any]:
     results: list[Any] = [None] * len(jobs)
     errors: list[BaseException | None] = [None] * len(jobs)
-    grad, autocast = torch.is_grad_enabled(), _autocast_state()
+    grad, autocast, hooks = torch.is_grad_enabled(), _autocast_state(), _saved_tensor_hooks()
 
     def work(worker: int) -> None:
         error: BaseException | None = None
         try:
             turns.take(worker)
-            with torch.set_grad_enabled(grad), _autocast(autocast), _YieldAtWaits(turns, worker):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad))
+                stack.enter_context(_autocast(autocast))
+                if hooks is not None:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+                stack.enter_context(_YieldAtWaits(turns, worker))
                 results[worker] = jobs[worker]()
         except BaseException as caught:  # handed to the caller below
             error = caught
@@ -155,6 +161,13 @@ def _run_in_turns(jobs: Sequence[Callable[[], Any]], turns: _Turns) -> list[Any]
     if first is not None:
         raise first
     return results
+
+
+def _saved_tensor_hooks() -> tuple[Callable, Callable] | None:
+    """The caller's innermost ``saved_tensors_hooks`` (thread-local in PyTorch: a memory
+    probe's or an offloading hook must see the sub-batches' saved tensors too)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:

@@ -97,10 +97,16 @@ class StageCost:
             self, forward_s=forward_s, backward_s=backward_s, recompute_s=recompute_s, turns=turns
         )
 
-    def pass_times(self, allreduce_s: Callable[[int], float]) -> tuple[float, float, float]:
+    def pass_times(
+        self, allreduce: Callable[[int], tuple[float, float]]
+    ) -> tuple[float, float, float]:
         """One micro-batch's forward, backward and recomputation, all-reduces included
-        (one of ``b`` bytes takes ``allreduce_s(b)``): one after another, or with
-        sub-batches overlapping them in turns."""
+        (one of ``b`` bytes takes ``sum(allreduce(b))``: its latency and its time on the
+        wire): one after another, or with sub-batches overlapping them in turns."""
+
+        def allreduce_s(nbytes: int) -> float:
+            return sum(allreduce(nbytes))
+
         if self.turns is None or self.subbatches == 1:
             return (
                 self.forward_s + sum(map(allreduce_s, self.forward_allreduces)),
@@ -108,7 +114,7 @@ class StageCost:
                 self.recompute_s + sum(map(allreduce_s, self.recompute_allreduces)),
             )
         forward, backward, recompute = (
-            in_turns_s(one, self.subbatches, allreduce_s) for one in self.turns
+            in_turns_s(one, self.subbatches, allreduce) for one in self.turns
         )
         loss = sum(map(allreduce_s, self.loss_allreduces))
         return forward, backward + loss, recompute if self.recompute_s else 0.0
@@ -260,15 +266,20 @@ class PlanOnLinks:
     def tp_allreduce_s(self, nbytes: int) -> float:
         """One tensor-parallel all-reduce of ``nbytes`` (the group inside a host when it
         fits there: every host's groups run at once)."""
+        return sum(self.tp_allreduce_parts(nbytes))
+
+    def tp_allreduce_parts(self, nbytes: int) -> tuple[float, float]:
+        """:meth:`tp_allreduce_s` as its latency (the ring's steps) and its time on the
+        wire: all-reduces in flight together overlap their latencies, not their bytes."""
         tp = self.degrees.tp
         if tp == 1 or nbytes == 0:
-            return 0.0
+            return 0.0, 0.0
         group = [rank_at(0, 0, t, self.degrees) for t in range(tp)]
         if len({self.host(r) for r in group}) == 1 and tp in self.probe.intra_allreduce:
             fit = self.probe.intra_allreduce[tp]
         else:
             fit = shared_fit(self.probe.inter_allreduce, self.probe.ranks_per_host)
-        return 2 * (tp - 1) * fit.alpha_s + 2 * (tp - 1) / tp * nbytes * fit.beta_s
+        return 2 * (tp - 1) * fit.alpha_s, 2 * (tp - 1) / tp * nbytes * fit.beta_s
 
     def replicas(self) -> list[tuple[int, int]]:
         """The pipelines side by side: one per (data-parallel, tensor-parallel) index."""
@@ -350,7 +361,7 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     if len(stages) != degrees.pp:
         raise ValueError(f"pp={degrees.pp} needs a cost per stage, got {len(stages)}")
     links = PlanOnLinks(degrees, probe)
-    times = [StageTimes(*s.pass_times(links.tp_allreduce_s)) for s in stages]
+    times = [StageTimes(*s.pass_times(links.tp_allreduce_parts)) for s in stages]
     # the all-reduces' time the passes wait for (sub-batches hide some of it)
     tensor = [
         t.forward_s + t.backward_s - s.forward_s - s.backward_s

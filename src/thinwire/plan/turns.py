@@ -4,8 +4,9 @@ and a pass of ``n`` sub-batches taking turns lasts what :func:`in_turns_s` says.
 
 The turns: each sub-batch computes up to its next tensor-parallel all-reduce, issues it
 and hands the processor to the next sub-batch in a fixed round; it computes again when
-its turn comes round and its all-reduce has finished. One processor computes at a time
-and the link carries one all-reduce at a time (those issued earlier first).
+its turn comes round and its all-reduce has finished. One processor computes at a time;
+the wire carries one all-reduce's bytes at a time (those issued earlier first), while the
+latencies of all-reduces in flight together overlap (gloo runs them side by side).
 """
 
 from __future__ import annotations
@@ -64,16 +65,19 @@ def join_passes(passes: Sequence[TurnPass]) -> TurnPass:
     return joined
 
 
-def in_turns_s(one: TurnPass, parts: int, allreduce_s: Callable[[int], float]) -> float:
+def in_turns_s(one: TurnPass, parts: int, allreduce: Callable[[int], tuple[float, float]]) -> float:
     """Seconds ``parts`` sub-batches take through ``one`` (each sub-batch's pass) in
-    turns, an all-reduce of ``b`` bytes taking ``allreduce_s(b)`` on the link."""
-    clock, link_free = 0.0, 0.0
+    turns; ``allreduce(b)``: an all-reduce of ``b`` bytes' latency and time on the wire.
+    All-reduces in flight together share the wire (one's bytes after the other's) but
+    not their latencies."""
+    clock, wire_free = 0.0, 0.0
     done = [0.0] * parts
     for gap, size in zip(one.gaps_s, one.allreduces, strict=True):
+        latency, wire = allreduce(size)
         for part in range(parts):
             clock = max(clock, done[part]) + gap
-            link_free = max(clock, link_free) + allreduce_s(size)
-            done[part] = link_free
+            wire_free = max(clock, wire_free) + wire
+            done[part] = max(wire_free, clock + latency + wire)
     for part in range(parts):
         clock = max(clock, done[part]) + one.tail_s
     return clock
