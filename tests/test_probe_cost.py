@@ -57,6 +57,9 @@ def _probe_on_loopback(rank: int, world: int) -> dict:
         "betas": [p.beta_s for p in probe.point_to_point]
         + [f.beta_s for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())],
         "slowdown": probe.cpu_slowdown,
+        "overlaps": [
+            f.overlap for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())
+        ],
     }
 
 
@@ -69,6 +72,17 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     assert first["intra"] == [2] and first["inter"] == [1, 2]
     assert all(beta > 0 for beta in first["betas"])
     assert first["slowdown"] > 0
+    assert len(first["overlaps"]) == 3 and all(0.0 <= o <= 1.0 for o in first["overlaps"])
+
+
+def test_two_all_reduces_at_once_tell_how_much_latency_they_hide():
+    from thinwire.plan.probe import latency_overlap
+
+    # one alone: 3 ms of latency and 1 ms of bytes
+    assert latency_overlap(8e-3, 1e-3, 3e-3) == pytest.approx(0.0)  # twice one: none hidden
+    assert latency_overlap(5e-3, 1e-3, 3e-3) == pytest.approx(1.0)  # bytes only: all hidden
+    assert latency_overlap(6.5e-3, 1e-3, 3e-3) == pytest.approx(0.5)
+    assert latency_overlap(9e-3, 1e-3, 3e-3) == 0.0  # slower than twice one: clamped
 
 
 def test_the_probe_refuses_a_world_that_is_not_whole_hosts():

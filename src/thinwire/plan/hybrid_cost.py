@@ -269,8 +269,9 @@ class PlanOnLinks:
         return sum(self.tp_allreduce_parts(nbytes))
 
     def tp_allreduce_parts(self, nbytes: int) -> tuple[float, float]:
-        """:meth:`tp_allreduce_s` as its latency (the ring's steps) and its time on the
-        wire: all-reduces in flight together overlap their latencies, not their bytes."""
+        """:meth:`tp_allreduce_s` in two parts: what all-reduces in flight together
+        overlap (the share of the ring's latency the probe saw hidden, ``Fit.overlap``),
+        and what they take one after another (their bytes on the wire, the rest)."""
         tp = self.degrees.tp
         if tp == 1 or nbytes == 0:
             return 0.0, 0.0
@@ -279,7 +280,9 @@ class PlanOnLinks:
             fit = self.probe.intra_allreduce[tp]
         else:
             fit = shared_fit(self.probe.inter_allreduce, self.probe.ranks_per_host)
-        return 2 * (tp - 1) * fit.alpha_s, 2 * (tp - 1) / tp * nbytes * fit.beta_s
+        latency = 2 * (tp - 1) * fit.alpha_s
+        wire = 2 * (tp - 1) / tp * nbytes * fit.beta_s
+        return fit.overlap * latency, wire + (1 - fit.overlap) * latency
 
     def replicas(self) -> list[tuple[int, int]]:
         """The pipelines side by side: one per (data-parallel, tensor-parallel) index."""

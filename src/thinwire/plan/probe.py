@@ -48,6 +48,10 @@ class Fit:
     beta_s: float
     samples: tuple[tuple[float, float], ...] = ()
     """(bytes, median seconds) per size measured."""
+    overlap: float = 0.0
+    """The share of an all-reduce's latency (``steps * alpha_s``) hidden when a second
+    runs beside it on the group (two issued at once, measured); ``0``: none, as for a
+    probe from before thinwire measured it."""
 
     @property
     def bandwidth_bps(self) -> float:
@@ -111,7 +115,12 @@ class LinkProbe:
 
 
 def _fit(raw: dict[str, Any]) -> Fit:
-    return Fit(float(raw["alpha_s"]), float(raw["beta_s"]), _pairs(raw.get("samples", ())))
+    return Fit(
+        float(raw["alpha_s"]),
+        float(raw["beta_s"]),
+        _pairs(raw.get("samples", ())),
+        float(raw.get("overlap", 0.0)),
+    )
 
 
 def _p2p(raw: dict[str, Any]) -> PointToPoint:
@@ -281,12 +290,38 @@ def _probe_allreduce(
             times.append(time.perf_counter() - start)
         return _agreed(statistics.median(times))
 
+    def measure_two(nbytes: int) -> float:
+        first, second = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            if mine is not None:
+                both = [dist.all_reduce(t, group=mine, async_op=True) for t in (first, second)]
+                for work in both:
+                    work.wait()
+            times.append(time.perf_counter() - start)
+        return _agreed(statistics.median(times))
+
     samples = _sizes(measure, target_s)
     steps = 2 * (size - 1)
     alpha_total, beta = fit_line([(2 * (size - 1) / size * b, s) for b, s in samples])
+    overlaps = [  # at the latency-bound sizes
+        latency_overlap(measure_two(int(b)), 2 * (size - 1) / size * b * beta, alpha_total)
+        for b, _ in samples[:2]
+    ]
     for handle in handles:
         dist.destroy_process_group(handle)
-    return Fit(alpha_total / steps, beta, tuple(samples))
+    return Fit(alpha_total / steps, beta, tuple(samples), statistics.mean(overlaps))
+
+
+def latency_overlap(both_s: float, wire_s: float, latency_s: float) -> float:
+    """The share of one all-reduce's latency ``latency_s`` hidden when two, each
+    ``wire_s`` on the wire, took ``both_s`` together: 0 if they took twice one, 1 if the
+    second added only its bytes (clamped to that range)."""
+    if latency_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 2 - (both_s - 2 * wire_s) / latency_s))
 
 
 def _probe_cpu(rank: int, repeats: int) -> float:
