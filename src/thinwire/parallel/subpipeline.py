@@ -44,6 +44,10 @@ from torch.utils._pytree import tree_leaves
 _WAIT = "_c10d_functional.wait_tensor.default"
 
 
+class _StoppedError(RuntimeError):
+    """A sub-batch stopped because another one failed (that one's error is raised)."""
+
+
 class _Turns:
     """A strict round robin among workers ``0 .. n - 1``; a finished worker leaves it."""
 
@@ -62,7 +66,7 @@ class _Turns:
                 lambda: self.failed is not None or self.order[self.position] == worker
             )
             if self.failed is not None:
-                raise RuntimeError("another sub-batch failed") from self.failed
+                raise _StoppedError("another sub-batch failed") from self.failed
         torch.set_rng_state(self.streams[worker])
 
     def hand_on(self, worker: int) -> None:
@@ -156,7 +160,7 @@ def _run_in_turns(jobs: Sequence[Callable[[], Any]], turns: _Turns) -> list[Any]
         thread.start()
     for thread in threads:
         thread.join()
-    first = next((e for e in errors if e is not None and "another sub-batch" not in str(e)), None)
+    first = next((e for e in errors if e is not None and not isinstance(e, _StoppedError)), None)
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
