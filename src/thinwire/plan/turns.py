@@ -5,8 +5,9 @@ and a pass of ``n`` sub-batches taking turns lasts what :func:`in_turns_s` says.
 The turns: each sub-batch computes up to its next tensor-parallel all-reduce, issues it
 and hands the processor to the next sub-batch in a fixed round; it computes again when
 its turn comes round and its all-reduce has finished. One processor computes at a time;
-the wire carries one all-reduce's bytes at a time (those issued earlier first), while the
-latencies of all-reduces in flight together overlap (gloo runs them side by side).
+the wire carries one all-reduce's bytes at a time (those issued earlier first), while
+all-reduces in flight together overlap the share of their latency ``thinwire probe``
+measured hidden with two at once (:attr:`thinwire.plan.probe.Fit.overlap`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,6 @@ class TurnPass:
     gaps_s: tuple[float, ...] = ()
     allreduces: tuple[int, ...] = ()
     tail_s: float = 0.0
-
-    @property
-    def compute_s(self) -> float:
-        """The sub-batch's compute: every gap and the tail."""
-        return sum(self.gaps_s) + self.tail_s
 
     def scaled(self, factor: float) -> TurnPass:
         """This pass with every compute ``factor`` times as long."""
