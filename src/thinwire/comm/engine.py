@@ -35,10 +35,10 @@ from thinwire.comm.collectives import (
     Traffic,
     make_communicator,
 )
+from thinwire.comm.runs import Run, plan_runs, start_run
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
     Compressor,
-    Exchanged,
     FiniteChecks,
     Memory,
     Slot,
@@ -103,38 +103,18 @@ class StepStats:
 
 
 @dataclass
-class _Run:
-    """One tensor's exchange in progress: its protocol and the request it waits on."""
-
-    slot: Slot
-    compressed: bool
-    corrected: Tensor
-    protocol: Any
-    request: Any = None
-    result: Exchanged | None = None
-
-    def advance(self, answer: Any) -> None:
-        """Hand the protocol ``answer`` (``None`` to start it); keep its next request, or
-        its result once it returns."""
-        try:
-            self.request = self.protocol.send(answer)
-        except StopIteration as stop:
-            self.request, self.result = None, stop.value
-
-
-@dataclass
 class _Batch:
     """The tensors of one :meth:`GradientExchange.exchange` call (a bucket) in flight."""
 
     items: Sequence[GradientItem]
-    runs: list[_Run]
+    runs: list[Run]
     not_finite: list[str]
     token: Any = None
 
     @property
     def done(self) -> bool:
         """Whether every tensor's protocol has returned."""
-        return all(run.result is not None for run in self.runs)
+        return all(run.results is not None for run in self.runs)
 
 
 class GradientExchange:
@@ -299,19 +279,19 @@ class GradientExchange:
         batch = _Batch(items, [], [], token)
         if self._before_step is None:  # the step's first exchange
             self._before_step = self.compressor.state_dict()
-        checks = FiniteChecks()  # of the gradient, or what the memory added to it
+        slots, correcteds, compressed = [], [], []
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
             slot = Slot(item.key, self.step, self.world_size, self.rank)
             # an empty tensor has nothing to compress (top-k would ask for 1 of 0 entries)
-            compressed = item.grad.numel() > 0 and self.compressor.compresses(item.grad)
-            chosen = self.compressor if compressed else self.dense
-            corrected = self.memory.compensate(item.grad, slot, item.param)
-            checks.add(len(batch.runs), corrected)
-            run = _Run(slot, compressed, corrected, chosen.exchange(corrected, slot))
-            run.advance(None)
-            batch.runs.append(run)
+            compressed.append(item.grad.numel() > 0 and self.compressor.compresses(item.grad))
+            correcteds.append(self.memory.compensate(item.grad, slot, item.param))
+            slots.append(slot)
             self._current.dense_bytes += item.grad.numel() * 4
+        checks = FiniteChecks()  # of the gradient, or what the memory added to it
+        for planned in plan_runs(correcteds, compressed, self.compressor):
+            checks.add_together(planned.members, planned.tensor, planned.pieces)
+            batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
         for i in checks.failed():  # before any round: a non-finite one poisons the first,
             batch.not_finite.append(items[i].key)  # and the step is rolled back
         return batch
@@ -321,7 +301,7 @@ class GradientExchange:
         (fused collectives), hand each run its answer; return the seconds spent
         communicating. ``fresh``: the batch whose first round this is (its non-finite
         gradients poison the round, so that every rank raises together)."""
-        owners = [run for b in batches for run in b.runs if run.result is None]
+        owners = [run for b in batches for run in b.runs if run.results is None]
         if not owners:
             return 0.0
         poison = fresh is not None and bool(fresh.not_finite)
@@ -340,13 +320,17 @@ class GradientExchange:
 
     def _finish(self, batch: _Batch) -> list[Tensor]:
         """Let the memory keep what was not sent; the means in the gradients' dtypes."""
-        means = []
-        for item, run in zip(batch.items, batch.runs, strict=True):
-            assert run.result is not None
-            self.memory.update(run.corrected, run.result, run.slot, run.compressed)
-            means.append(run.result.mean.reshape(item.grad.shape).to(item.grad.dtype))
+        means: list[Tensor | None] = [None] * len(batch.items)
+        for run in batch.runs:
+            assert run.results is not None
+            for i, slot, corrected, result in zip(
+                run.members, run.slots, run.correcteds, run.results, strict=True
+            ):
+                self.memory.update(corrected, result, slot, run.compressed)
+                grad = batch.items[i].grad
+                means[i] = result.mean.reshape(grad.shape).to(grad.dtype)
         self._current.tensors += len(batch.items)
-        return means
+        return means  # type: ignore[return-value]
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add

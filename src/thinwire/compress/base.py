@@ -121,6 +121,13 @@ class Compressor(ABC):
     #: whether one step's exchange uses no state left by earlier steps (so exchanges of
     #: different steps may run concurrently); error-feedback memories are state too
     stateless: ClassVar[bool] = False
+    #: whether each value's payload depends on that value alone and the compressor keeps
+    #: no state by tensor key (none, fp16, bf16): the engine then exchanges a bucket's
+    #: tensors side by side as one flat tensor
+    elementwise: ClassVar[bool] = False
+    #: whether the compressor exchanges same-shaped tensors stacked
+    #: (:meth:`exchange_stacked`), for fewer, larger kernels (PowerSGD)
+    batches: ClassVar[bool] = False
 
     # -- which tensors it handles ---------------------------------------------------------
 
@@ -159,6 +166,12 @@ class Compressor(ABC):
                 mean.add_(self.decompress(rank_payload, ctx))
             mean.div_(slot.world_size)
         return Exchanged(mean=mean, local=local)
+
+    def exchange_stacked(self, stacked: Tensor, slots: Sequence[Slot]) -> Exchange:
+        """Average ``stacked[i]`` (the tensor of ``slots[i]``) over ranks for every ``i``
+        at once; the outcome's ``mean`` and ``local`` are stacked the same way. Only for
+        compressors that set ``batches``."""
+        raise TypeError(f"compressor {self.name!r} does not exchange stacked tensors")
 
     # -- error feedback -------------------------------------------------------------------
 
@@ -323,28 +336,41 @@ class FiniteChecks:
     :meth:`add`-ed (so nothing that writes it later can hide the entry) and waited for
     together: on the CPU at once (:func:`all_finite`), on a GPU as a device flag read in
     one wait per device at :meth:`failed` (each ``bool()`` of a device value waits for
-    every kernel queued before it, which would stall the exchange once per tensor)."""
+    every kernel queued before it, which would stall the exchange once per tensor).
+    :meth:`add_together` checks several tensors that lie in one (flat or stacked) tensor
+    with one check, and looks at them one by one only when that check fails."""
 
     def __init__(self) -> None:
         self._failed: list[int] = []
-        self._queued: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        self._queued: dict[torch.device, list[tuple[list[int], Tensor, list[Tensor]]]] = {}
 
     def add(self, index: int, tensor: Tensor) -> None:
         """Check ``tensor`` (known as ``index``) as it is now."""
-        if tensor.device.type == "cpu":
-            if not all_finite(tensor):
-                self._failed.append(index)
-        elif tensor.is_floating_point() and tensor.numel() > 0:
-            flag = torch.isfinite(tensor).all()
-            self._queued.setdefault(tensor.device, []).append((index, flag))
+        self.add_together([index], tensor, [tensor])
+
+    def add_together(self, indices: Sequence[int], whole: Tensor, pieces: Sequence[Tensor]) -> None:
+        """Check the tensors ``pieces`` (known as ``indices``), which are parts of (or
+        copies of parts of) ``whole`` and are not written before :meth:`failed`."""
+        if whole.device.type == "cpu":
+            if not all_finite(whole):
+                self._failed += _not_finite(indices, pieces)
+        elif whole.is_floating_point() and whole.numel() > 0:
+            flag = torch.isfinite(whole).all()
+            self._queued.setdefault(whole.device, []).append((list(indices), flag, list(pieces)))
 
     def failed(self) -> list[int]:
         """The indices of the tensors that were not finite, in increasing order."""
         failed = list(self._failed)
-        for pairs in self._queued.values():
-            finite = torch.stack([flag for _, flag in pairs]).tolist()
-            failed += [i for (i, _), ok in zip(pairs, finite, strict=True) if not ok]
+        for entries in self._queued.values():
+            finite = torch.stack([flag for _, flag, _ in entries]).tolist()
+            for (indices, _, pieces), ok in zip(entries, finite, strict=True):
+                if not ok:
+                    failed += _not_finite(indices, pieces)
         return sorted(failed)
+
+
+def _not_finite(indices: Sequence[int], pieces: Sequence[Tensor]) -> list[int]:
+    return [i for i, piece in zip(indices, pieces, strict=True) if not all_finite(piece)]
 
 
 def num_selected(numel: int, density: float) -> int:

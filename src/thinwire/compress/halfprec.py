@@ -38,6 +38,7 @@ class HalfPrecision(Compressor):
 
     aggregation = Aggregation.SUM
     stateless = True
+    elementwise = True
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum ``tensor / N`` in half precision over ranks; the sum is the mean."""

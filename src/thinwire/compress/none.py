@@ -20,6 +20,7 @@ class NoCompression(Compressor):
     summary = "no compression: dense fp32 all-reduce, bitwise equal to DDP's own"
     aggregation = Aggregation.SUM
     stateless = True
+    elementwise = True
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum ``tensor / N`` over ranks."""

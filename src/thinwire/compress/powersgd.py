@@ -26,6 +26,7 @@ gradient at once (the engine does), and the memory consumes ``local`` in the sam
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ class PowerSGD(Compressor):
     aggregation = Aggregation.SUM
     rounds = 2
     wants_error_feedback = True
+    batches = True
 
     def __post_init__(self) -> None:
         self.rank = check_positive_int("rank", self.rank)
@@ -75,6 +77,9 @@ class PowerSGD(Compressor):
         #: the warm start of every tensor key, stored as Q^T (rank x m)
         self.warm: dict[str, Tensor] = {}
         self._outputs: dict[str, tuple[Tensor, Tensor]] = {}
+        #: per group of stacked keys, the last step's stacked Q^T and the views of it that
+        #: ``warm`` holds (while they are still the ones there, the stack is reused)
+        self._stacked_warm: dict[str, tuple[Tensor, list[Tensor]]] = {}
 
     def compresses(self, tensor: Tensor) -> bool:
         """Matrices (and higher) whose factors are ``min_compression`` times smaller."""
@@ -97,6 +102,43 @@ class PowerSGD(Compressor):
         torch.mm(pt.T, qt_local, out=local)
         self.warm[slot.key] = self._revive(qt_mean, slot)
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
+
+    def exchange_stacked(self, stacked: Tensor, slots: Sequence[Slot]) -> Exchange:
+        """:meth:`exchange` for same-shaped tensors at once: batched products and one
+        batched orthogonalisation (as PyTorch's hook batches same-shaped matrices), the
+        same math per tensor, so the results match the one-by-one exchange to rounding."""
+        count = stacked.shape[0]
+        matrices = stacked.reshape(count, stacked.shape[1], -1)
+        group = "\0".join(slot.key for slot in slots)
+        qt = self._stacked_warm_start(group, slots, matrices)
+        (pt_sum,) = yield Request.sum(torch.bmm(qt, matrices.transpose(1, 2)))
+        pt = orthogonalize_stacked_rows(pt_sum.clone())
+        qt_local = torch.bmm(pt, matrices)
+        (qt_sum,) = yield Request.sum(qt_local)
+        qt_mean = qt_sum / slots[0].world_size
+        mean, local = self._output_buffers(group, matrices)
+        torch.bmm(pt.transpose(1, 2), qt_mean, out=mean)
+        torch.bmm(pt.transpose(1, 2), qt_local, out=local)
+        dead = qt_mean.abs().amax(dim=2) == 0
+        if bool(dead.any()):
+            for i, slot in enumerate(slots):
+                self._revive(qt_mean[i], slot)
+        views = list(qt_mean.unbind(0))
+        for slot, view in zip(slots, views, strict=True):
+            self.warm[slot.key] = view
+        self._stacked_warm[group] = (qt_mean, views)
+        return Exchanged(mean=mean.view_as(stacked), local=local.view_as(stacked))
+
+    def _stacked_warm_start(self, group: str, slots: Sequence[Slot], matrices: Tensor) -> Tensor:
+        """Each key's warm start, stacked: last step's stack itself while ``warm`` still
+        holds its views (no copy), else stacked anew."""
+        kept = self._stacked_warm.get(group)
+        if kept is not None:
+            stack, views = kept
+            same = stack.dtype == matrices.dtype and stack.device == matrices.device
+            if same and all(self.warm.get(s.key) is v for s, v in zip(slots, views, strict=True)):
+                return stack
+        return torch.stack([self._warm_start(slot.key, matrices[0]) for slot in slots])
 
     # -- warm start -----------------------------------------------------------------------
 
@@ -144,6 +186,13 @@ class PowerSGD(Compressor):
         if unknown:
             raise ValueError(f"compressor 'powersgd' got unknown state {sorted(unknown)}")
         self.warm = {key: qt.clone() for key, qt in state.get("warm", {}).items()}
+
+
+def orthogonalize_stacked_rows(stacked: Tensor) -> Tensor:
+    """:func:`orthogonalize_rows` for every matrix of ``stacked`` (count x r x n) at once."""
+    q, _ = torch.linalg.qr(stacked.transpose(1, 2))
+    stacked.copy_(q.transpose(1, 2))
+    return stacked
 
 
 def orthogonalize_rows(matrix: Tensor) -> Tensor:

@@ -1,0 +1,231 @@
+"""thinwire's own cost per step: DDP with thinwire's hook against DDP alone, compute near zero.
+
+    python bench/host_cost.py --out docs/results/host-cost-cpu.json
+    python bench/host_cost.py --device cuda --layers 62 --out results/host-cost-gpu.json
+
+A world of one process (gloo on the CPU, NCCL on a GPU), a model of ``--layers`` linear
+layers of ``--width`` x ``--width`` (two parameter tensors each) and a batch of ``--batch``
+rows, so that the step is almost all bookkeeping: what the hook adds to DDP's step is
+thinwire's host path (kernel launches per tensor, host synchronisations, the exchange
+thread), not bytes or compute. Every method runs the same SGD steps on its own copy of
+the model; ``ddp`` is DDP's own all-reduce (no hook), ``torch-powersgd`` and
+``torch-fp16`` are PyTorch's ``powerSGD_hook`` (same rank as thinwire's PowerSGD, no
+warm-up) and ``fp16_compress_hook``.
+
+The methods are timed in ``--rounds`` rounds, each method's steps once per round in an
+order that alternates from round to round; a method's step time is the median of all its
+timed steps. Reported per method: the median step, the time it adds to DDP's step, and
+its step over DDP's. Read the ratios: they come from one run side by side.
+
+To compare two versions of thinwire, run this file twice with ``PYTHONPATH`` pointing at
+each version's ``src`` (the JSON records which one it imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import thinwire
+from thinwire.launch import free_port
+
+#: thinwire's compressors and the options they run with here
+THINWIRE: dict[str, dict[str, Any]] = {
+    "none": {},
+    "fp16": {},
+    "bf16": {},
+    "powersgd": {"rank": 2},
+    "dgc": {"density": 0.01},
+    "topk": {"density": 0.01},
+    "randomk": {"density": 0.01},
+    "onebit": {},
+    "signsgd": {},
+    "terngrad": {},
+    "qsgd": {},
+}
+REFERENCES = ["ddp", "torch-powersgd", "torch-fp16"]
+
+
+def build_model(layers: int, width: int, device: torch.device) -> nn.Module:
+    """``layers`` linear layers of ``width`` x ``width`` with a ReLU between them."""
+    torch.manual_seed(0)
+    parts: list[nn.Module] = []
+    for i in range(layers):
+        parts.append(nn.Linear(width, width))
+        if i < layers - 1:
+            parts.append(nn.ReLU())
+    return nn.Sequential(*parts).to(device)
+
+
+def wrap(method: str, model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``model`` under DDP with ``method``'s communication hook."""
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids)
+    if method == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=THINWIRE["powersgd"]["rank"],
+            start_powerSGD_iter=2,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif method == "torch-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method != "ddp":
+        thinwire.register(ddp, method, **THINWIRE[method])
+    return ddp
+
+
+class Runner:
+    """One method's model, optimizer and fixed batch; :meth:`steps` times steps."""
+
+    def __init__(self, method: str, args: argparse.Namespace, device: torch.device) -> None:
+        self.method = method
+        self.device = device
+        self.model = wrap(method, build_model(args.layers, args.width, device), device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(1)
+        self.inputs = torch.randn(args.batch, args.width, generator=generator).to(device)
+        self.times: list[float] = []
+        self.loss = float("nan")
+
+    def step(self) -> None:
+        """One training step."""
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.model(self.inputs).square().mean()
+        loss.backward()
+        self.optimizer.step()
+        self.last = loss
+
+    def steps(self, count: int, record: bool) -> None:
+        """``count`` steps; with ``record``, keep each one's time."""
+        for _ in range(count):
+            sync(self.device)
+            started = time.perf_counter()
+            self.step()
+            sync(self.device)
+            if record:
+                self.times.append(time.perf_counter() - started)
+        self.loss = float(self.last)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that host clocks time it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every method; return the JSON record."""
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    chosen = list(THINWIRE) if args.methods == "all" else args.methods.split(",")
+    unknown = sorted(set(chosen) - set(THINWIRE))
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(THINWIRE)}")
+    methods = REFERENCES + [m for m in THINWIRE if m in chosen]
+    runners = [Runner(m, args, device) for m in methods]
+    for runner in runners:
+        runner.steps(args.warmup, record=False)
+    for round_index in range(args.rounds):
+        order = runners if round_index % 2 == 0 else runners[::-1]
+        for runner in order:
+            runner.steps(args.steps, record=True)
+    ddp_step = statistics.median(runners[0].times)
+    rows = []
+    for runner in runners:
+        step = statistics.median(runner.times)
+        rows.append(
+            {
+                "method": runner.method,
+                "options": THINWIRE.get(runner.method, {}),
+                "step_ms": step * 1e3,
+                "added_ms": (step - ddp_step) * 1e3,
+                "vs_ddp": step / ddp_step,
+                "steps_timed": len(runner.times),
+                "final_loss": runner.loss,
+            }
+        )
+    model = runners[0].model.module
+    return {
+        "command": "python bench/host_cost.py " + " ".join(args.argv),
+        "thinwire_src": os.path.dirname(os.path.dirname(thinwire.__file__)),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "parameter_tensors": len(list(model.parameters())),
+        "layers": args.layers,
+        "width": args.width,
+        "batch": args.batch,
+        "rows": rows,
+    }
+
+
+def print_table(record: dict[str, Any]) -> None:
+    """The record as a table."""
+    table = Table(
+        title=f"{record['parameter_tensors']} parameter tensors on {record['device']}, "
+        f"{record['thinwire_src']}"
+    )
+    for column in ("method", "step ms", "added ms", "vs DDP"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for row in record["rows"]:
+        table.add_row(
+            row["method"], f"{row['step_ms']:.3f}", f"{row['added_ms']:+.3f}", f"{row['vs_ddp']:.2f}x"
+        )
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, measure, print and write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--layers", type=int, default=32, help="linear layers (2 tensors each)")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps per method")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--methods", default="all", help="comma-separated, or all")
+    parser.add_argument("--out", type=Path, help="write the JSON record here")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(
+        backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        record = measure(args)
+    finally:
+        dist.destroy_process_group()
+    print_table(record)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

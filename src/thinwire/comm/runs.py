@@ -1,0 +1,212 @@
+"""How the engine groups a bucket's tensors into exchange *runs*, each one protocol.
+
+A protocol per tensor costs a few kernels and some Python per tensor, which on a GPU or
+with little compute per step costs more than the step itself (62 tensors: twice DDP's
+step for no compression). So the engine hands a compressor as much of a bucket at once
+as its math allows:
+
+- **side by side**: an element-wise compressor (each value's payload depends on that
+  value alone: ``none``, ``fp16``, ``bf16``), and every tensor a compressor declines (sent
+  dense), exchange all such tensors of the bucket as one flat tensor: no copy where they
+  already lie side by side in memory (a DDP bucket), one protocol, one finiteness check;
+- **stacked**: a compressor that batches same-shaped tensors (``Compressor.batches``,
+  PowerSGD) gets each shape's tensors stacked into one ``(count, *shape)`` tensor;
+- **alone**: every other tensor, one protocol each, as before.
+
+The values each tensor's exchange computes are the same whichever way it runs; a run's
+outcome is split back into one :class:`~thinwire.compress.base.Exchanged` per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.base import Compressor, Exchange, Exchanged, Slot
+
+
+@dataclass
+class Run:
+    """One protocol in progress for the bucket's tensors ``members`` (their indices):
+    their slots, whether the compressor (not the dense fallback) handles them, what
+    each one compensated to (the memory's own tensors, which it updates), the request
+    it waits on, and per member its outcome."""
+
+    members: list[int]
+    slots: list[Slot]
+    compressed: bool
+    correcteds: list[Tensor]
+    protocol: Exchange
+    split: Callable[[Exchanged], list[Exchanged]]
+    request: Any = None
+    results: list[Exchanged] | None = None
+
+    def advance(self, answer: Any) -> None:
+        """Hand the protocol ``answer`` (``None`` to start it); keep its next request, or
+        each member's outcome once it returns."""
+        try:
+            self.request = self.protocol.send(answer)
+        except StopIteration as stop:
+            self.request, self.results = None, self.split(stop.value)
+
+
+def side_by_side(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The tensors as one flat tensor *without copying*, if they lie side by side in one
+    storage (contiguous, same dtype, each starting where the last one ends); else
+    ``None``."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    expected, total = first.data_ptr(), 0
+    for tensor in tensors:
+        if (
+            tensor.dtype != first.dtype
+            or tensor.device != first.device
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.data_ptr() != expected
+        ):
+            return None
+        expected += tensor.numel() * tensor.element_size()
+        total += tensor.numel()
+    return torch.as_strided(first, (total,), (1,), first.storage_offset())
+
+
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors' values side by side in one flat tensor (a view where they already
+    are, else one copy)."""
+    flat = side_by_side(tensors) if tensors else None
+    if flat is not None:
+        return flat
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]]:
+    sizes = [t.numel() for t in like]
+
+    def pieces(flat: Tensor | None) -> list[Tensor | None]:
+        if flat is None:
+            return [None] * len(like)
+        return [p.view(t.shape) for p, t in zip(flat.split(sizes), like, strict=True)]
+
+    def split(outcome: Exchanged) -> list[Exchanged]:
+        if outcome.sent_indices is not None:
+            raise ValueError("an element-wise compressor reported sent indices")
+        means, locals_ = pieces(outcome.mean), pieces(outcome.local)
+        return [Exchanged(mean=m, local=lo) for m, lo in zip(means, locals_, strict=True)]
+
+    return split
+
+
+def _split_stacked(count: int) -> Callable[[Exchanged], list[Exchanged]]:
+    def split(outcome: Exchanged) -> list[Exchanged]:
+        if outcome.sent_indices is not None:
+            raise ValueError("a batching compressor reported sent indices")
+        local = outcome.local
+        return [
+            Exchanged(mean=outcome.mean[i], local=None if local is None else local[i])
+            for i in range(count)
+        ]
+
+    return split
+
+
+def _alone(outcome: Exchanged) -> list[Exchanged]:
+    return [outcome]
+
+
+@dataclass
+class Planned:
+    """A run about to start: its members, the tensor its protocol exchanges, and the
+    pieces of that tensor that are each member's (for naming a non-finite one)."""
+
+    members: list[int]
+    tensor: Tensor
+    pieces: list[Tensor]
+    compressed: bool
+
+
+def plan_runs(
+    correcteds: Sequence[Tensor], compressed: Sequence[bool], compressor: Compressor
+) -> list[Planned]:
+    """Group a bucket's compensated tensors into runs (see the module docstring): the
+    dense ones side by side, then the compressed ones side by side, stacked by shape, or
+    alone, in the bucket's order within each kind."""
+    planned: list[Planned] = []
+    dense = [i for i, c in enumerate(compressed) if not c]
+    chosen = [i for i, c in enumerate(compressed) if c]
+    planned += _side_by_side(dense, correcteds, compressed=False)
+    if compressor.elementwise:
+        planned += _side_by_side(chosen, correcteds, compressed=True)
+    elif compressor.batches:
+        planned += _stacked(chosen, correcteds)
+    else:
+        planned += [Planned([i], correcteds[i], [correcteds[i]], True) for i in chosen]
+    return planned
+
+
+def _by_kind(members: list[int], correcteds: Sequence[Tensor], key: Callable) -> list[list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for i in members:
+        groups.setdefault(key(correcteds[i]), []).append(i)
+    return list(groups.values())
+
+
+def _side_by_side(
+    members: list[int], correcteds: Sequence[Tensor], compressed: bool
+) -> list[Planned]:
+    planned = []
+    for group in _by_kind(members, correcteds, lambda t: (t.dtype, t.device)):
+        tensors = [correcteds[i] for i in group]
+        flat = flatten(tensors)
+        sizes = [t.numel() for t in tensors]
+        pieces = list(flat.split(sizes))
+        planned.append(Planned(group, flat, pieces, compressed))
+    return planned
+
+
+def _stacked(members: list[int], correcteds: Sequence[Tensor]) -> list[Planned]:
+    planned = []
+    for group in _by_kind(members, correcteds, lambda t: (t.shape, t.dtype, t.device)):
+        if len(group) == 1:
+            planned.append(Planned(group, correcteds[group[0]], [correcteds[group[0]]], True))
+            continue
+        stacked = torch.stack([correcteds[i] for i in group])
+        planned.append(Planned(group, stacked, list(stacked.unbind(0)), True))
+    return planned
+
+
+def start_run(
+    planned: Planned,
+    correcteds: Sequence[Tensor],
+    slots: Sequence[Slot],
+    compressor: Compressor,
+    dense: Compressor,
+) -> Run:
+    """Start ``planned``'s protocol up to its first request (``correcteds`` and ``slots``:
+    the whole bucket's, by index)."""
+    members = planned.members
+    member_slots = [slots[i] for i in members]
+    chosen = compressor if planned.compressed else dense
+    if len(members) == 1 and planned.tensor is planned.pieces[0]:
+        protocol = chosen.exchange(planned.tensor, member_slots[0])
+        split = _alone
+    elif chosen.elementwise:
+        protocol = chosen.exchange(planned.tensor, _run_slot(member_slots))
+        split = _split_flat([correcteds[i] for i in members])
+    else:
+        protocol = chosen.exchange_stacked(planned.tensor, member_slots)
+        split = _split_stacked(len(members))
+    member_correcteds = [correcteds[i] for i in members]
+    run = Run(members, member_slots, planned.compressed, member_correcteds, protocol, split)
+    run.advance(None)
+    return run
+
+
+def _run_slot(slots: Sequence[Slot]) -> Slot:
+    """The slot of a side-by-side run: its first tensor's (element-wise compressors keep
+    no state by key)."""
+    return slots[0]

@@ -1,0 +1,119 @@
+"""A bucket exchanged in runs (side by side, stacked, alone) computes what one protocol per
+tensor computed: the grouping, zero-copy flattening, finiteness naming, PowerSGD stacked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import thinwire
+from thinwire.comm.runs import flatten, plan_runs, side_by_side
+from thinwire.compress.base import FiniteChecks, Slot, run_locally
+from thinwire.compress.powersgd import PowerSGD
+
+
+def _bucket(shapes: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A flat buffer and views of it shaped as ``shapes``, as DDP's bucket hands them."""
+    sizes = [int(np.prod(s)) for s in shapes]
+    buffer = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
+    views, offset = [], 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        views.append(buffer[offset : offset + size].view(shape))
+        offset += size
+    return buffer, views
+
+
+def test_side_by_side_views_flatten_without_a_copy() -> None:
+    buffer, views = _bucket([(4, 3), (3,), (2, 2, 2)])
+    flat = side_by_side(views)
+    assert flat is not None and flat.data_ptr() == buffer.data_ptr()
+    assert torch.equal(flat, buffer)
+    # tensors that do not lie side by side are copied, values in order
+    apart = [views[0], views[2]]  # a gap where views[1] lies
+    assert side_by_side(apart) is None
+    assert torch.equal(flatten(apart), torch.cat([views[0].reshape(-1), views[2].reshape(-1)]))
+    assert side_by_side([views[0].T]) is None  # not contiguous
+    assert side_by_side([views[1], views[0]]) is None  # out of order
+
+
+def test_runs_group_dense_side_by_side_and_stack_same_shapes() -> None:
+    _, views = _bucket([(8, 8), (8,), (8, 8), (4, 8), (8,)])
+    compressor = PowerSGD(rank=1, min_compression=0.0)
+    compressed = [compressor.compresses(v) for v in views]
+    assert compressed == [True, False, True, True, False]
+    planned = plan_runs(views, compressed, compressor)
+    groups = [(p.members, p.compressed, tuple(p.tensor.shape)) for p in planned]
+    assert groups == [([1, 4], False, (16,)), ([0, 2], True, (2, 8, 8)), ([3], True, (4, 8))]
+    # none: one flat run over the whole bucket, a view of the buffer
+    none = thinwire.compressor("none")
+    (whole,) = plan_runs(views, [True] * 5, none)
+    assert whole.members == [0, 1, 2, 3, 4] and whole.tensor.data_ptr() == views[0].data_ptr()
+
+
+def test_a_non_finite_tensor_checked_together_is_named_alone() -> None:
+    _, views = _bucket([(3, 3), (5,), (2, 4)])
+    views[1][2] = float("nan")
+    checks = FiniteChecks()
+    flat = side_by_side(views)
+    assert flat is not None
+    checks.add_together([7, 8, 9], flat, views)
+    assert checks.failed() == [8]
+    clean = FiniteChecks()
+    clean.add_together([0, 1], views[0], [views[0][:1], views[0][1:]])
+    assert clean.failed() == []
+
+
+def test_powersgd_stacked_equals_one_by_one_over_steps() -> None:
+    """Three steps with warm starts carried: the stacked exchange's means, what it sent
+    and the next warm start match the per-tensor exchange's to fp32 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    keys = ["a", "b", "c"]
+    one_by_one, stacked = PowerSGD(rank=2), PowerSGD(rank=2)
+    for step in range(3):
+        grads = [torch.randn(16, 12, generator=gen) for _ in keys]
+        slots = [Slot(key, step, world_size=1) for key in keys]
+        alone = [run_locally(one_by_one.exchange(g, s)) for g, s in zip(grads, slots, strict=True)]
+        together = run_locally(stacked.exchange_stacked(torch.stack(grads), slots))
+        for i, result in enumerate(alone):
+            torch.testing.assert_close(together.mean[i], result.mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(together.local[i], result.local, rtol=1e-5, atol=1e-6)
+        for key in keys:
+            torch.testing.assert_close(
+                stacked.warm[key], one_by_one.warm[key], rtol=1e-5, atol=1e-6
+            )
+    # its checkpoint is keyed by tensor as before, and loads into a one-by-one instance
+    restored = PowerSGD(rank=2)
+    restored.load_state_dict(stacked.state_dict())
+    assert sorted(restored.warm) == keys
+
+
+def _train_powersgd(rank: int, world: int, stacked: bool) -> list[np.ndarray]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 3))
+    compressor = PowerSGD(rank=2)
+    if not stacked:
+        compressor.batches = False  # the instance runs one protocol per tensor, as before
+    opt = thinwire.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, compressor
+    )
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 12, generator=gen)).square().mean().backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def train_both_ways(rank: int, world: int) -> float:
+    """Largest relative difference between the weights trained stacked and one by one."""
+    ours = _train_powersgd(rank, world, stacked=True)
+    before = _train_powersgd(rank, world, stacked=False)
+    return max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)) for a, b in zip(ours, before))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_powersgd_trains_the_same_stacked_as_one_by_one(pool2) -> None:
+    assert max(pool2.run(train_both_ways)) < 1e-5
