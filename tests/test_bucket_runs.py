@@ -58,10 +58,10 @@ def test_a_non_finite_tensor_checked_together_is_named_alone() -> None:
     checks = FiniteChecks()
     flat = side_by_side(views)
     assert flat is not None
-    checks.add_together([7, 8, 9], flat, views)
+    checks.add_together([7, 8, 9], flat, lambda: views)
     assert checks.failed() == [8]
     clean = FiniteChecks()
-    clean.add_together([0, 1], views[0], [views[0][:1], views[0][1:]])
+    clean.add_together([0, 1], views[0], lambda: [views[0][:1], views[0][1:]])
     assert clean.failed() == []
 
 

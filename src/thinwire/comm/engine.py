@@ -35,7 +35,7 @@ from thinwire.comm.collectives import (
     Traffic,
     make_communicator,
 )
-from thinwire.comm.runs import Run, plan_runs, start_run
+from thinwire.comm.runs import Means, Run, plan_runs, start_run, whole_bucket
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
     Compressor,
@@ -44,6 +44,7 @@ from thinwire.compress.base import (
     Slot,
     check_floating,
 )
+from thinwire.compress.feedback import NoMemory
 from thinwire.compress.none import NoCompression
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
@@ -318,19 +319,24 @@ class GradientExchange:
             run.advance(answer)
         return spent
 
-    def _finish(self, batch: _Batch) -> list[Tensor]:
+    def _finish(self, batch: _Batch) -> Means:
         """Let the memory keep what was not sent; the means in the gradients' dtypes."""
-        means: list[Tensor | None] = [None] * len(batch.items)
+        means = Means([None] * len(batch.items))  # type: ignore[list-item]
+        remembers = not isinstance(self.memory, NoMemory)
         for run in batch.runs:
             assert run.results is not None
             for i, slot, corrected, result in zip(
                 run.members, run.slots, run.correcteds, run.results, strict=True
             ):
-                self.memory.update(corrected, result, slot, run.compressed)
-                grad = batch.items[i].grad
-                means[i] = result.mean.reshape(grad.shape).to(grad.dtype)
+                if remembers:
+                    self.memory.update(corrected, result, slot, run.compressed)
+                grad, mean = batch.items[i].grad, result.mean
+                if mean.shape != grad.shape:
+                    mean = mean.reshape(grad.shape)
+                means[i] = mean if mean.dtype == grad.dtype else mean.to(grad.dtype)
+        means.flat = whole_bucket(batch.runs, [item.grad for item in batch.items])
         self._current.tensors += len(batch.items)
-        return means  # type: ignore[return-value]
+        return means
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add

@@ -44,6 +44,8 @@ class Run:
     split: Callable[[Exchanged], list[Exchanged]]
     request: Any = None
     results: list[Exchanged] | None = None
+    #: the protocol's own outcome, before it was split per member
+    outcome: Exchanged | None = None
 
     def advance(self, answer: Any) -> None:
         """Hand the protocol ``answer`` (``None`` to start it); keep its next request, or
@@ -51,7 +53,8 @@ class Run:
         try:
             self.request = self.protocol.send(answer)
         except StopIteration as stop:
-            self.request, self.results = None, self.split(stop.value)
+            self.request, self.outcome = None, stop.value
+            self.results = self.split(stop.value)
 
 
 def side_by_side(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -90,7 +93,10 @@ def _split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]
     def pieces(flat: Tensor | None) -> list[Tensor | None]:
         if flat is None:
             return [None] * len(like)
-        return [p.view(t.shape) for p, t in zip(flat.split(sizes), like, strict=True)]
+        parts = flat.split(sizes)
+        return [
+            p if p.shape == t.shape else p.view(t.shape) for p, t in zip(parts, like, strict=True)
+        ]
 
     def split(outcome: Exchanged) -> list[Exchanged]:
         if outcome.sent_indices is not None:
@@ -120,13 +126,23 @@ def _alone(outcome: Exchanged) -> list[Exchanged]:
 
 @dataclass
 class Planned:
-    """A run about to start: its members, the tensor its protocol exchanges, and the
-    pieces of that tensor that are each member's (for naming a non-finite one)."""
+    """A run about to start: its members, the tensor its protocol exchanges, whether the
+    compressor handles it, and whether it lies over its members without a copy."""
 
     members: list[int]
     tensor: Tensor
-    pieces: list[Tensor]
     compressed: bool
+    stacked: bool = False
+
+    def pieces(self) -> list[Tensor]:
+        """The parts of :attr:`tensor` that are each member's (to name a non-finite one)."""
+        if len(self.members) == 1 and not self.stacked:
+            return [self.tensor]
+        if self.stacked:
+            return list(self.tensor.unbind(0))
+        return list(self.tensor.split(self.sizes))
+
+    sizes: list[int] | None = None
 
 
 def plan_runs(
@@ -144,7 +160,7 @@ def plan_runs(
     elif compressor.batches:
         planned += _stacked(chosen, correcteds)
     else:
-        planned += [Planned([i], correcteds[i], [correcteds[i]], True) for i in chosen]
+        planned += [Planned([i], correcteds[i], True) for i in chosen]
     return planned
 
 
@@ -161,10 +177,8 @@ def _side_by_side(
     planned = []
     for group in _by_kind(members, correcteds, lambda t: (t.dtype, t.device)):
         tensors = [correcteds[i] for i in group]
-        flat = flatten(tensors)
         sizes = [t.numel() for t in tensors]
-        pieces = list(flat.split(sizes))
-        planned.append(Planned(group, flat, pieces, compressed))
+        planned.append(Planned(group, flatten(tensors), compressed, sizes=sizes))
     return planned
 
 
@@ -172,10 +186,10 @@ def _stacked(members: list[int], correcteds: Sequence[Tensor]) -> list[Planned]:
     planned = []
     for group in _by_kind(members, correcteds, lambda t: (t.shape, t.dtype, t.device)):
         if len(group) == 1:
-            planned.append(Planned(group, correcteds[group[0]], [correcteds[group[0]]], True))
+            planned.append(Planned(group, correcteds[group[0]], True))
             continue
         stacked = torch.stack([correcteds[i] for i in group])
-        planned.append(Planned(group, stacked, list(stacked.unbind(0)), True))
+        planned.append(Planned(group, stacked, True, stacked=True))
     return planned
 
 
@@ -191,7 +205,7 @@ def start_run(
     members = planned.members
     member_slots = [slots[i] for i in members]
     chosen = compressor if planned.compressed else dense
-    if len(members) == 1 and planned.tensor is planned.pieces[0]:
+    if len(members) == 1 and not planned.stacked and planned.sizes is None:
         protocol = chosen.exchange(planned.tensor, member_slots[0])
         split = _alone
     elif chosen.elementwise:
@@ -210,3 +224,25 @@ def _run_slot(slots: Sequence[Slot]) -> Slot:
     """The slot of a side-by-side run: its first tensor's (element-wise compressors keep
     no state by key)."""
     return slots[0]
+
+
+class Means(list):
+    """The averaged gradients of a bucket, in its order; ``flat``: all of them side by side
+    in one tensor when one flat run carried the whole bucket in its dtype (a DDP hook
+    can hand DDP that tensor itself), else ``None``."""
+
+    flat: Tensor | None = None
+
+
+def whole_bucket(runs: Sequence[Run], grads: Sequence[Tensor]) -> Tensor | None:
+    """The flat mean of a bucket of ``grads`` if one side-by-side run carried all of it,
+    in order and in the gradients' dtype; else ``None``."""
+    if len(runs) != 1:
+        return None
+    run = runs[0]
+    outcome = run.outcome
+    if outcome is None or outcome.mean.dim() != 1 or run.members != list(range(len(grads))):
+        return None
+    if any(item.dtype != outcome.mean.dtype for item in grads):
+        return None
+    return outcome.mean if outcome.mean.numel() == sum(g.numel() for g in grads) else None

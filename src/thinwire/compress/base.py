@@ -23,7 +23,7 @@ import enum
 import math
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -342,21 +342,24 @@ class FiniteChecks:
 
     def __init__(self) -> None:
         self._failed: list[int] = []
-        self._queued: dict[torch.device, list[tuple[list[int], Tensor, list[Tensor]]]] = {}
+        self._queued: dict[torch.device, list[tuple[list[int], Tensor, Callable]]] = {}
 
     def add(self, index: int, tensor: Tensor) -> None:
         """Check ``tensor`` (known as ``index``) as it is now."""
-        self.add_together([index], tensor, [tensor])
+        self.add_together([index], tensor, lambda: [tensor])
 
-    def add_together(self, indices: Sequence[int], whole: Tensor, pieces: Sequence[Tensor]) -> None:
-        """Check the tensors ``pieces`` (known as ``indices``), which are parts of (or
-        copies of parts of) ``whole`` and are not written before :meth:`failed`."""
+    def add_together(
+        self, indices: Sequence[int], whole: Tensor, pieces: Callable[[], Sequence[Tensor]]
+    ) -> None:
+        """Check the tensors that ``pieces()`` returns (known as ``indices``), which are
+        parts of (or copies of parts of) ``whole`` and are not written before
+        :meth:`failed`; ``pieces`` is called only if ``whole`` is not finite."""
         if whole.device.type == "cpu":
             if not all_finite(whole):
-                self._failed += _not_finite(indices, pieces)
+                self._failed += _not_finite(indices, pieces())
         elif whole.is_floating_point() and whole.numel() > 0:
             flag = torch.isfinite(whole).all()
-            self._queued.setdefault(whole.device, []).append((list(indices), flag, list(pieces)))
+            self._queued.setdefault(whole.device, []).append((list(indices), flag, pieces))
 
     def failed(self) -> list[int]:
         """The indices of the tensors that were not finite, in increasing order."""
@@ -365,7 +368,7 @@ class FiniteChecks:
             finite = torch.stack([flag for _, flag, _ in entries]).tolist()
             for (indices, _, pieces), ok in zip(entries, finite, strict=True):
                 if not ok:
-                    failed += _not_finite(indices, pieces)
+                    failed += _not_finite(indices, pieces())
         return sorted(failed)
 
 

@@ -167,9 +167,7 @@ def compressed_hook(
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
-            for view, mean in zip(views, means, strict=True):
-                view.copy_(mean)
-            return buffer
+            return _into_bucket(buffer, views, means)
 
         return _for_ddp(engine.submit(job))
 
@@ -194,13 +192,11 @@ def compressed_hook(
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
-            for (done_views, _, _), means in finished:
-                for view, mean in zip(done_views, means, strict=True):
-                    view.copy_(mean)
-            for _, done_buffer, done_future in (token for token, _ in finished):
+            results = [_into_bucket(buf, done, means) for (done, buf, _), means in finished]
+            for (_, _, done_future), result in zip((t for t, _ in finished), results, strict=True):
                 with state.lock:
                     state.waiting.remove(done_future)
-                done_future.set_result(done_buffer)
+                done_future.set_result(result)
         except BaseException as error:  # every bucket still waiting would wait forever
             with state.lock:
                 failed, state.waiting[:] = list(state.waiting), []
@@ -210,6 +206,18 @@ def compressed_hook(
 
     engine.submit(fused_job)
     return _for_ddp(future)
+
+
+def _into_bucket(buffer: torch.Tensor, views: list[torch.Tensor], means: Any) -> torch.Tensor:
+    """What DDP gets for a bucket: the engine's flat mean itself when it covers the bucket
+    (DDP copies it into the gradients, as it does the result of its own all-reduce), else
+    ``buffer`` with each mean copied into its view."""
+    flat = getattr(means, "flat", None)
+    if flat is not None and flat.shape == buffer.shape and flat.dtype == buffer.dtype:
+        return flat
+    for view, mean in zip(views, means, strict=True):
+        view.copy_(mean)
+    return buffer
 
 
 def _for_ddp(future: torch.futures.Future) -> torch.futures.Future:
