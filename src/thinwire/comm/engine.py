@@ -115,7 +115,7 @@ class _Batch:
     @property
     def done(self) -> bool:
         """Whether every tensor's protocol has returned."""
-        return all(run.results is not None for run in self.runs)
+        return all(run.done for run in self.runs)
 
 
 class GradientExchange:
@@ -188,7 +188,8 @@ class GradientExchange:
         last: bool,
         fuse: bool = False,
         step: int | None = None,
-    ) -> list[tuple[Any, list[Tensor]]]:
+        whole: Tensor | None = None,
+    ) -> list[tuple[Any, Means]]:
         """The one entry point for a step's buckets: compensate, exchange and finish
         ``items`` (with ``fuse``, its later rounds travel with the next bucket's first, as
         :meth:`exchange_fused` does), and with ``last`` close the step (:meth:`end_step`:
@@ -196,13 +197,15 @@ class GradientExchange:
         step back on every rank and raises. ``step``: the step these gradients belong to,
         where the caller keeps the clock (a parameter server applies pushes of several
         steps); the first bucket of a step takes it. Returns ``(token, means)`` for each
-        bucket this call finished, oldest first; every rank must make the same calls."""
+        bucket this call finished, oldest first; every rank must make the same calls.
+        ``whole``: the gradients side by side in one flat tensor, where the caller has
+        them so (a DDP bucket's buffer): the exchange then need not look for it."""
         if step is not None:
             self._take_step(step)
         if fuse:
-            finished = self.exchange_fused(items, token, last=last)
+            finished = self.exchange_fused(items, token, last=last, whole=whole)
         else:
-            finished = [(token, self.exchange(items))]
+            finished = [(token, self.exchange(items, whole=whole))]
         if last:
             self.end_step()
         return finished
@@ -219,12 +222,12 @@ class GradientExchange:
                 f"a bucket of it came with step {step}"
             )
 
-    def exchange(self, items: Sequence[GradientItem]) -> list[Tensor]:
+    def exchange(self, items: Sequence[GradientItem], whole: Tensor | None = None) -> Means:
         """Average ``items``' gradients over all ranks (blocking); returns the means in the
         gradients' dtypes. Every rank must call this with the same keys and shapes."""
         started, communicated = time.perf_counter(), 0.0
         try:
-            batch = self._start(items)
+            batch = self._start(items, whole=whole)
             first = True
             while not batch.done:
                 communicated += self._round([batch], fresh=batch if first else None)
@@ -237,8 +240,12 @@ class GradientExchange:
         return means
 
     def exchange_fused(
-        self, items: Sequence[GradientItem], token: Any, last: bool
-    ) -> list[tuple[Any, list[Tensor]]]:
+        self,
+        items: Sequence[GradientItem],
+        token: Any,
+        last: bool,
+        whole: Tensor | None = None,
+    ) -> list[tuple[Any, Means]]:
         """Start ``items``' exchange and run one round of it *fused* with the next round of
         every earlier batch still in flight; with ``last``, run rounds until none is left.
 
@@ -250,7 +257,7 @@ class GradientExchange:
         step with ``last=True``; if a round fails, every batch in flight is dropped.
         """
         started, communicated = time.perf_counter(), 0.0
-        batch = self._start(items, token)
+        batch = self._start(items, token, whole)
         self._in_flight.append(batch)
         try:
             communicated += self._round(self._in_flight, fresh=batch)
@@ -272,7 +279,9 @@ class GradientExchange:
         """Batches started by :meth:`exchange_fused` whose rounds are not all done."""
         return len(self._in_flight)
 
-    def _start(self, items: Sequence[GradientItem], token: Any = None) -> _Batch:
+    def _start(
+        self, items: Sequence[GradientItem], token: Any = None, whole: Tensor | None = None
+    ) -> _Batch:
         """Compensate every gradient and start its protocol, up to its first request."""
         if not self._start_checked:
             check_same_start(self.step, self._origin, self.rank, self.communicator.group)
@@ -290,7 +299,10 @@ class GradientExchange:
             slots.append(slot)
             self._current.dense_bytes += item.grad.numel() * 4
         checks = FiniteChecks()  # of the gradient, or what the memory added to it
-        for planned in plan_runs(correcteds, compressed, self.compressor):
+        own = (c is item.grad for c, item in zip(correcteds, items, strict=True))
+        if whole is not None and not all(own):
+            whole = None  # the memory compensated into tensors of its own
+        for planned in plan_runs(correcteds, compressed, self.compressor, whole):
             checks.add_together(planned.members, planned.tensor, planned.pieces)
             batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
         for i in checks.failed():  # before any round: a non-finite one poisons the first,
@@ -302,7 +314,7 @@ class GradientExchange:
         (fused collectives), hand each run its answer; return the seconds spent
         communicating. ``fresh``: the batch whose first round this is (its non-finite
         gradients poison the round, so that every rank raises together)."""
-        owners = [run for b in batches for run in b.runs if run.results is None]
+        owners = [run for b in batches for run in b.runs if not run.done]
         if not owners:
             return 0.0
         poison = fresh is not None and bool(fresh.not_finite)
@@ -321,22 +333,15 @@ class GradientExchange:
 
     def _finish(self, batch: _Batch) -> Means:
         """Let the memory keep what was not sent; the means in the gradients' dtypes."""
-        means = Means([None] * len(batch.items))  # type: ignore[list-item]
-        remembers = not isinstance(self.memory, NoMemory)
-        for run in batch.runs:
-            assert run.results is not None
-            for i, slot, corrected, result in zip(
-                run.members, run.slots, run.correcteds, run.results, strict=True
-            ):
-                if remembers:
+        if not isinstance(self.memory, NoMemory):
+            for run in batch.runs:
+                for slot, corrected, result in zip(
+                    run.slots, run.correcteds, run.results, strict=True
+                ):
                     self.memory.update(corrected, result, slot, run.compressed)
-                grad, mean = batch.items[i].grad, result.mean
-                if mean.shape != grad.shape:
-                    mean = mean.reshape(grad.shape)
-                means[i] = mean if mean.dtype == grad.dtype else mean.to(grad.dtype)
-        means.flat = whole_bucket(batch.runs, [item.grad for item in batch.items])
         self._current.tensors += len(batch.items)
-        return means
+        grads = [item.grad for item in batch.items]
+        return Means(lambda: _means(batch.runs, grads), len(grads), whole_bucket(batch.runs, grads))
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add
@@ -451,6 +456,18 @@ class GradientExchange:
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
         self._origin = origin
+
+
+def _means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:
+    """Each gradient's mean, shaped and typed as the gradient."""
+    means: list[Tensor] = [grads[0]] * len(grads)
+    for run in runs:
+        for i, result in zip(run.members, run.results, strict=True):
+            grad, mean = grads[i], result.mean
+            if mean.shape != grad.shape:
+                mean = mean.reshape(grad.shape)
+            means[i] = mean if mean.dtype == grad.dtype else mean.to(grad.dtype)
+    return means
 
 
 def _non_finite_message(step: int, rank: int, keys: list[str], compressor: str = "") -> str:

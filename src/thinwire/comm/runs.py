@@ -19,7 +19,7 @@ outcome is split back into one :class:`~thinwire.compress.base.Exchanged` per te
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,18 +43,31 @@ class Run:
     protocol: Exchange
     split: Callable[[Exchanged], list[Exchanged]]
     request: Any = None
-    results: list[Exchanged] | None = None
-    #: the protocol's own outcome, before it was split per member
+    #: the protocol's outcome once it returned, before it is split per member
     outcome: Exchanged | None = None
+    _results: list[Exchanged] | None = None
 
     def advance(self, answer: Any) -> None:
         """Hand the protocol ``answer`` (``None`` to start it); keep its next request, or
-        each member's outcome once it returns."""
+        its outcome once it returns."""
         try:
             self.request = self.protocol.send(answer)
         except StopIteration as stop:
             self.request, self.outcome = None, stop.value
-            self.results = self.split(stop.value)
+
+    @property
+    def done(self) -> bool:
+        """Whether the protocol has returned."""
+        return self.outcome is not None
+
+    @property
+    def results(self) -> list[Exchanged]:
+        """Each member's outcome (split from the run's on first use)."""
+        if self._results is None:
+            if self.outcome is None:
+                raise RuntimeError("this run's protocol has not returned yet")
+            self._results = self.split(self.outcome)
+        return self._results
 
 
 def side_by_side(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -146,14 +159,21 @@ class Planned:
 
 
 def plan_runs(
-    correcteds: Sequence[Tensor], compressed: Sequence[bool], compressor: Compressor
+    correcteds: Sequence[Tensor],
+    compressed: Sequence[bool],
+    compressor: Compressor,
+    whole: Tensor | None = None,
 ) -> list[Planned]:
     """Group a bucket's compensated tensors into runs (see the module docstring): the
     dense ones side by side, then the compressed ones side by side, stacked by shape, or
-    alone, in the bucket's order within each kind."""
+    alone, in the bucket's order within each kind. ``whole``: every tensor of the bucket
+    side by side, known to the caller (a DDP bucket's buffer), for a run of them all."""
     planned: list[Planned] = []
     dense = [i for i, c in enumerate(compressed) if not c]
     chosen = [i for i, c in enumerate(compressed) if c]
+    if whole is not None and (len(dense) == len(correcteds) or compressor.elementwise):
+        sizes = [t.numel() for t in correcteds]
+        return [Planned(list(range(len(correcteds))), whole, not dense, sizes=sizes)]
     planned += _side_by_side(dense, correcteds, compressed=False)
     if compressor.elementwise:
         planned += _side_by_side(chosen, correcteds, compressed=True)
@@ -226,12 +246,30 @@ def _run_slot(slots: Sequence[Slot]) -> Slot:
     return slots[0]
 
 
-class Means(list):
-    """The averaged gradients of a bucket, in its order; ``flat``: all of them side by side
-    in one tensor when one flat run carried the whole bucket in its dtype (a DDP hook
-    can hand DDP that tensor itself), else ``None``."""
+class Means(Sequence[Tensor]):
+    """The averaged gradients of a bucket, in its order, made on first use by ``build``;
+    ``flat``: all of them side by side in one tensor when one flat run carried the whole
+    bucket in its dtype (a DDP hook hands DDP that tensor itself), else ``None``."""
 
-    flat: Tensor | None = None
+    def __init__(self, build: Callable[[], list[Tensor]], count: int, flat: Tensor | None):
+        self._build: Callable[[], list[Tensor]] | None = build
+        self._means: list[Tensor] = []
+        self._count = count
+        self.flat = flat
+
+    def _all(self) -> list[Tensor]:
+        if self._build is not None:
+            self._means, self._build = self._build(), None
+        return self._means
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._all()[index]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(self._all())
 
 
 def whole_bucket(runs: Sequence[Run], grads: Sequence[Tensor]) -> Tensor | None:

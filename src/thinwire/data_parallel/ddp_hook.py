@@ -51,6 +51,31 @@ class HookState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: the error that failed a bucket of the step under way (used on the exchange thread)
     failed: BaseException | None = None
+    #: per bucket index: (buffer address and size, parameter ids), views, items
+    layouts: dict[int, tuple[Any, list[torch.Tensor], list[GradientItem]]] = field(
+        default_factory=dict
+    )
+
+    def layout(
+        self, bucket: dist.GradBucket, buffer: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[GradientItem]]:
+        """The views of ``buffer`` that are its parameters' gradients, and the engine's
+        items for them; kept per bucket while DDP hands the same buffer and parameters
+        (after its first step it rebuilds its buckets once, then keeps them)."""
+        params = bucket.parameters()
+        signature = (buffer.data_ptr(), buffer.numel(), tuple(id(p) for p in params))
+        known = self.layouts.get(bucket.index())
+        if known is not None and known[0] == signature:
+            return known[1], known[2]
+        views, offset = [], 0
+        for param in params:
+            views.append(buffer[offset : offset + param.numel()].view(param.shape))
+            offset += param.numel()
+        items = [
+            GradientItem(self.names[id(p)], view, p) for p, view in zip(params, views, strict=True)
+        ]
+        self.layouts[bucket.index()] = (signature, views, items)
+        return views, items
 
     def earlier_failure(self, is_last: bool) -> BaseException | None:
         """The error that failed an earlier bucket of this step, if one did: this bucket
@@ -146,14 +171,7 @@ def compressed_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket through the engine, asynchronously."""
     buffer = bucket.buffer()
-    params = bucket.parameters()
-    views, offset = [], 0
-    for param in params:
-        views.append(buffer[offset : offset + param.numel()].view(param.shape))
-        offset += param.numel()
-    items = [
-        GradientItem(state.names[id(p)], view, p) for p, view in zip(params, views, strict=True)
-    ]
+    views, items = state.layout(bucket, buffer)
     is_last = bucket.is_last()
     engine = state.engine
     if not state.fuse_rounds:
@@ -163,7 +181,7 @@ def compressed_hook(
             if earlier is not None:
                 raise earlier
             try:
-                ((_, means),) = engine.exchange_bucket(items, last=is_last)
+                ((_, means),) = engine.exchange_bucket(items, last=is_last, whole=buffer)
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
@@ -187,7 +205,7 @@ def compressed_hook(
         try:
             try:
                 finished = engine.exchange_bucket(
-                    items, (views, buffer, future), last=is_last, fuse=True
+                    items, (views, buffer, future), last=is_last, fuse=True, whole=buffer
                 )  # with the last bucket, the step is closed before any future resolves
             except BaseException as error:
                 state.fail(error, is_last)
