@@ -123,7 +123,7 @@ class Runner:
             sync(self.device)
             if record:
                 self.times.append(time.perf_counter() - started)
-        self.loss = float(self.last)
+        self.loss = float(self.last.detach())
 
 
 def sync(device: torch.device) -> None:
@@ -141,7 +141,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     chosen = list(THINWIRE) if args.methods == "all" else args.methods.split(",")
     unknown = sorted(set(chosen) - set(THINWIRE))
     if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(THINWIRE)}")
+        known = ", ".join(THINWIRE)
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {known}")
     methods = REFERENCES + [m for m in THINWIRE if m in chosen]
     runners = [Runner(m, args, device) for m in methods]
     for runner in runners:
@@ -191,9 +192,8 @@ def print_table(record: dict[str, Any]) -> None:
     for column in ("method", "step ms", "added ms", "vs DDP"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in record["rows"]:
-        table.add_row(
-            row["method"], f"{row['step_ms']:.3f}", f"{row['added_ms']:+.3f}", f"{row['vs_ddp']:.2f}x"
-        )
+        step, added, ratio = row["step_ms"], row["added_ms"], row["vs_ddp"]
+        table.add_row(row["method"], f"{step:.3f}", f"{added:+.3f}", f"{ratio:.2f}x")
     Console().print(table)
 
 
@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group(
-        backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120)
-    )
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     try:
         record = measure(args)
     finally:
