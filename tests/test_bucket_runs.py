@@ -117,3 +117,39 @@ def train_both_ways(rank: int, world: int) -> float:
 @pytest.mark.timeout(120)
 def test_powersgd_trains_the_same_stacked_as_one_by_one(pool2) -> None:
     assert max(pool2.run(train_both_ways)) < 1e-5
+
+
+SMALL_SHAPES = [(70, 64), (3,), (8, 8), (1, 200), (5, 4, 16)]
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("onebit", {}), ("onebit", {"per_row": False}), ("signsgd", {})],
+)
+def test_segments_decode_as_each_tensor_alone(name: str, options: dict) -> None:
+    """Small tensors side by side as segments: every tensor's mean and what it sent
+    equal its exchange alone (scales per tensor or per row, as alone), in one world."""
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(shape, generator=gen) for shape in SMALL_SHAPES]
+    slots = [Slot(f"t{i}", 0, world_size=1) for i in range(len(grads))]
+    alone = [
+        run_locally(thinwire.compressor(name, **options).exchange(g, s))
+        for g, s in zip(grads, slots, strict=True)
+    ]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    compressor = thinwire.compressor(name, **options)
+    sent: list[int] = []
+    together = run_locally(
+        compressor.exchange_segmented(flat, [g.shape for g in grads], slots), sent
+    )
+    offset = 0
+    for grad, result in zip(grads, alone, strict=True):
+        part = slice(offset, offset + grad.numel())
+        offset += grad.numel()
+        # the scales are fp32 sums taken in another order: equal to rounding (64 values)
+        close = torch.testing.assert_close
+        close(together.mean[part].view(grad.shape), result.mean, rtol=1e-5, atol=1e-7)
+        close(together.local[part].view(grad.shape), result.local, rtol=1e-5, atol=1e-7)
+        assert torch.equal(together.mean[part].view(grad.shape) > 0, result.mean > 0)
+    # one packed sign per value: a byte for every 8 values and 4 bytes per scale
+    assert sent[0] <= flat.numel() // 8 + 1 + 8 * (70 + 1 + 1 + 1 + 5)

@@ -11,6 +11,10 @@ as its math allows:
   already lie side by side in memory (a DDP bucket), one protocol, one finiteness check;
 - **stacked**: a compressor that batches same-shaped tensors (``Compressor.batches``,
   PowerSGD) gets each shape's tensors stacked into one ``(count, *shape)`` tensor;
+- **segments**: a compressor that scales per tensor or per row (``Compressor.segmented``:
+  1-bit SGD, signSGD) gets its small tensors (up to
+  :data:`~thinwire.compress.segments.SMALL` values) side by side, and works on them as
+  segments of one flat tensor;
 - **alone**: every other tensor, one protocol each, as before.
 
 The values each tensor's exchange computes are the same whichever way it runs; a run's
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.base import Compressor, Exchange, Exchanged, Slot
+from thinwire.compress.segments import SMALL
 
 
 @dataclass
@@ -146,6 +151,8 @@ class Planned:
     tensor: Tensor
     compressed: bool
     stacked: bool = False
+    #: the members' shapes, for a run of segments
+    shapes: list[torch.Size] | None = None
 
     def pieces(self) -> list[Tensor]:
         """The parts of :attr:`tensor` that are each member's (to name a non-finite one)."""
@@ -179,6 +186,13 @@ def plan_runs(
         planned += _side_by_side(chosen, correcteds, compressed=True)
     elif compressor.batches:
         planned += _stacked(chosen, correcteds)
+    elif compressor.segmented:
+        small = [i for i in chosen if correcteds[i].numel() <= SMALL]
+        for run in _side_by_side(small, correcteds, compressed=True):
+            run.shapes = [correcteds[i].shape for i in run.members]
+            planned.append(run)
+        large = [i for i in chosen if correcteds[i].numel() > SMALL]
+        planned += [Planned([i], correcteds[i], True) for i in large]
     else:
         planned += [Planned([i], correcteds[i], True) for i in chosen]
     return planned
@@ -225,7 +239,10 @@ def start_run(
     members = planned.members
     member_slots = [slots[i] for i in members]
     chosen = compressor if planned.compressed else dense
-    if len(members) == 1 and not planned.stacked and planned.sizes is None:
+    if planned.shapes is not None:
+        protocol = chosen.exchange_segmented(planned.tensor, planned.shapes, member_slots)
+        split = _split_flat([correcteds[i] for i in members])
+    elif len(members) == 1 and not planned.stacked and planned.sizes is None:
         protocol = chosen.exchange(planned.tensor, member_slots[0])
         split = _alone
     elif chosen.elementwise:

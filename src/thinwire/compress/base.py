@@ -128,6 +128,9 @@ class Compressor(ABC):
     #: whether the compressor exchanges same-shaped tensors stacked
     #: (:meth:`exchange_stacked`), for fewer, larger kernels (PowerSGD)
     batches: ClassVar[bool] = False
+    #: whether the compressor exchanges small tensors side by side as segments of one
+    #: flat tensor (:meth:`exchange_segmented`): 1-bit SGD, signSGD
+    segmented: ClassVar[bool] = False
 
     # -- which tensors it handles ---------------------------------------------------------
 
@@ -172,6 +175,14 @@ class Compressor(ABC):
         at once; the outcome's ``mean`` and ``local`` are stacked the same way. Only for
         compressors that set ``batches``."""
         raise TypeError(f"compressor {self.name!r} does not exchange stacked tensors")
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """Average the tensors of ``shapes`` (of ``slots``), lying side by side in ``flat``,
+        over ranks at once; the outcome's ``mean`` and ``local`` are flat the same way.
+        Only for compressors that set ``segmented``."""
+        raise TypeError(f"compressor {self.name!r} does not exchange segments")
 
     # -- error feedback -------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ against 7 ms with one pair (one thread).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,8 +66,10 @@ from thinwire.compress.bits import (
     decode,
     pack,
     packed_size,
+    unpack,
 )
 from thinwire.compress.registry import register_compressor
+from thinwire.compress.segments import Segments
 
 
 @register_compressor
@@ -87,12 +90,14 @@ class OneBit(Compressor):
     summary = "1-bit SGD: signs 8 per byte + the mean of each sign group, gathered"
     aggregation = Aggregation.GATHER
     wants_error_feedback = True
+    segmented = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.per_row, bool):
             raise ValueError(f"per_row must be true or false, got {self.per_row!r}")
         self.buffers = OutputBuffers()
         self.block = ScratchBuffer()
+        self._segments: dict[tuple[torch.Size, ...], Segments] = {}
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Gather (signs, scales) from every rank and average their decodes."""
@@ -105,6 +110,45 @@ class OneBit(Compressor):
         for rank, (rank_packed, rank_scales) in enumerate(gathered):
             decode_signs(rank_packed, rank_scales / slot.world_size, mean, self.block, rank > 0)
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """:meth:`exchange` for small tensors side by side in ``flat``: each tensor, or
+        each of its rows where :meth:`exchange` scales per row, is a segment with its own
+        pair of scales; the signs of all of them are packed together."""
+        check_floating(flat)
+        segments = self._segments.get(tuple(shapes))
+        if segments is None:
+            segments = self._segments.setdefault(tuple(shapes), self._row_segments(shapes))
+        plus = flat >= 0
+        packed = pack(plus, 1)
+        lengths = segments.counts(flat.device)
+        wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        count = segments.sums(plus.to(wide))
+        plus_sum = segments.sums(flat.clamp(min=0).to(wide))
+        minus_sum = segments.sums(flat.clamp(max=0).to(wide)).neg_()
+        a = plus_sum.double() / count.clamp_min(1)
+        b = minus_sum.double() / (lengths - count).clamp_min(1)
+        scales = torch.stack([a, b], 1).float()
+        ones = plus.to(flat.dtype)
+        local = _decode_segments(ones, scales.to(flat.dtype), segments)
+        gathered = yield Request.gather(packed, scales)
+        mean = torch.zeros_like(flat)
+        for rank_packed, rank_scales in gathered:
+            rank_ones = unpack(rank_packed, 1, flat.numel()).to(flat.dtype)
+            scaled = (rank_scales / slots[0].world_size).to(flat.dtype)
+            mean.add_(_decode_segments(rank_ones, scaled, segments))
+        return Exchanged(mean=mean, local=local)
+
+    def _row_segments(self, shapes: Sequence[torch.Size]) -> Segments:
+        """One segment per row of each tensor scaled per row, else per tensor."""
+        lengths: list[int] = []
+        for shape in shapes:
+            numel = math.prod(shape)
+            rows = scaled_rows(shape) if self.per_row else None
+            lengths += [numel // rows] * rows if rows is not None else [max(numel, 1)]
+        return Segments(lengths)
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([packed signs, scales], numel)``; the scales
@@ -209,6 +253,13 @@ def decode_signs(
             torch.mul(plus, a[lo:hi], out=part)
         part.addcmul_(plus.sub_(1), b[lo:hi])
     return out
+
+
+def _decode_segments(ones: Tensor, scales: Tensor, segments: Segments) -> Tensor:
+    """``a`` of its segment where ``ones`` is 1, ``-b`` where it is 0: ``t * a + (t - 1) *
+    b``, one of whose terms is always 0, so each value is exactly ``a`` or ``-b``."""
+    a, b = (segments.expand(column) for column in scales.unbind(1))
+    return ones * a + (ones - 1) * b
 
 
 def _rows_per_block(cols: int, device: torch.device) -> int:

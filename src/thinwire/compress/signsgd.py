@@ -35,6 +35,7 @@ from thinwire.compress.base import (
 from thinwire.compress.bits import pack, unpack
 from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.registry import register_compressor
+from thinwire.compress.segments import Segments, tensor_segments
 
 
 @register_compressor
@@ -53,10 +54,12 @@ class SignSGD(Compressor):
     summary = "signSGD with majority vote: signs 8 per byte + mean |g|, error feedback"
     aggregation = Aggregation.GATHER
     wants_error_feedback = True  # the default of the ``error_feedback`` option
+    segmented = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        self._segments: dict[tuple[torch.Size, ...], Segments] = {}
 
     def make_memory(self) -> Memory:
         """Residual error feedback if the ``error_feedback`` option is on, else none."""
@@ -79,6 +82,30 @@ class SignSGD(Compressor):
         votes = ayes.mul_(2).sub_(world)  # ayes - noes
         mean = votes.sign_().mul_(scales.div_(world).to(flat.dtype))
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """:meth:`exchange` for small tensors side by side in ``flat``: one scale per
+        tensor (a segment), the signs of all of them packed together."""
+        check_floating(flat)
+        segments = self._segments.get(tuple(shapes))
+        if segments is None:
+            segments = self._segments.setdefault(tuple(shapes), tensor_segments(shapes))
+        plus = flat >= 0
+        lengths = segments.counts(flat.device)
+        scale = (segments.sums(flat.abs()) / lengths).float()
+        own = segments.expand(scale.to(flat.dtype))
+        local = torch.where(plus, own, -own)
+        gathered = yield Request.gather(pack(plus, 1), scale)
+        ayes, scales = torch.zeros_like(flat), torch.zeros_like(scale)
+        for rank_packed, rank_scale in gathered:
+            ayes.add_(unpack(rank_packed, 1, flat.numel()))
+            scales.add_(rank_scale)
+        world = slots[0].world_size
+        votes = ayes.mul_(2).sub_(world)
+        mean = votes.sign_().mul_(segments.expand(scales.div_(world).to(flat.dtype)))
+        return Exchanged(mean=mean, local=local)
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([packed signs, scale], numel)``."""
