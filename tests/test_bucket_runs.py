@@ -153,3 +153,45 @@ def test_segments_decode_as_each_tensor_alone(name: str, options: dict) -> None:
         assert torch.equal(together.mean[part].view(grad.shape) > 0, result.mean > 0)
     # one packed sign per value: a byte for every 8 values and 4 bytes per scale
     assert sent[0] <= flat.numel() // 8 + 1 + 8 * (70 + 1 + 1 + 1 + 5)
+
+
+@pytest.mark.parametrize("name", ["terngrad", "qsgd"])
+def test_stochastic_segments_are_unbiased_and_on_their_grid(name: str) -> None:
+    """Small tensors side by side: each value decodes to one of its segment's levels, and
+    over many draws the decodes average to what each tensor alone would (clipped for
+    TernGrad)."""
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(shape, generator=gen) for shape in SMALL_SHAPES]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    shapes = [g.shape for g in grads]
+    slots = [Slot(f"t{i}", 0, world_size=1) for i in range(len(grads))]
+    compressor = thinwire.compressor(name, seed=3)
+    draws = 400
+    total = torch.zeros_like(flat)
+    for _ in range(draws):
+        result = run_locally(compressor.exchange_segmented(flat, shapes, slots))
+        assert torch.equal(result.mean, result.local)  # one rank: the mean is its own
+        total += result.local
+    average = total / draws
+    offset = 0
+    for grad in grads:
+        part = slice(offset, offset + grad.numel())
+        offset += grad.numel()
+        if name == "terngrad":
+            rows = grad.shape[0] if grad.dim() > 1 and grad[0].numel() >= 64 else 1
+            matrix = grad.reshape(rows, -1)
+            rms = matrix.square().mean(1, keepdim=True).sqrt()
+            expected = torch.maximum(torch.minimum(matrix, 2.5 * rms), -2.5 * rms)
+            scale = expected.abs().amax(1, keepdim=True)  # s of each row: values are 0 or +-s
+            seen = result.local[part].view(rows, -1)
+            assert bool(((seen.abs() == 0) | torch.isclose(seen.abs(), scale)).all())
+            spread = scale.expand_as(matrix)
+        else:
+            norm = grad.norm()
+            expected = grad.reshape(1, -1)
+            levels = result.local[part] / norm * 7
+            assert torch.allclose(levels, levels.round(), atol=1e-4)
+            spread = (norm / 7).expand_as(expected)
+        # each draw's error is at most one level: 6 standard errors of the average
+        bound = 6 * spread / (2 * draws**0.5)
+        assert bool(((average[part].view_as(expected) - expected).abs() <= bound).all())

@@ -40,7 +40,6 @@ against 7 ms with one pair (one thread).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +68,7 @@ from thinwire.compress.bits import (
     unpack,
 )
 from thinwire.compress.registry import register_compressor
-from thinwire.compress.segments import Segments
+from thinwire.compress.segments import Segments, row_segments
 
 
 @register_compressor
@@ -143,12 +142,7 @@ class OneBit(Compressor):
 
     def _row_segments(self, shapes: Sequence[torch.Size]) -> Segments:
         """One segment per row of each tensor scaled per row, else per tensor."""
-        lengths: list[int] = []
-        for shape in shapes:
-            numel = math.prod(shape)
-            rows = scaled_rows(shape) if self.per_row else None
-            lengths += [numel // rows] * rows if rows is not None else [max(numel, 1)]
-        return Segments(lengths)
+        return row_segments(shapes, scaled_rows if self.per_row else lambda shape: None)
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([packed signs, scales], numel)``; the scales

@@ -34,6 +34,7 @@ from thinwire.compress.base import (
 )
 from thinwire.compress.bits import SUPPORTED_BITS, pack, unpack
 from thinwire.compress.registry import register_compressor
+from thinwire.compress.segments import Segments, tensor_segments
 from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed, l2_norm
 
 #: The most levels whose 2s + 1 codes fit in one byte.
@@ -56,6 +57,7 @@ class QSGD(StochasticCompressor):
     name = "qsgd"
     summary = "QSGD: unbiased stochastic rounding to s levels of |g|/||g||, 2-8 bits, gathered"
     aggregation = Aggregation.GATHER
+    segmented = True
 
     def __post_init__(self) -> None:
         self.levels = check_positive_int("levels", self.levels)
@@ -68,6 +70,7 @@ class QSGD(StochasticCompressor):
         #: bits per code: the fewest that hold the 2s + 1 codes
         self.bits = next(b for b in SUPPORTED_BITS if b > 1 and 2**b > 2 * self.levels)
         self.random = RankStream(self.seed, self.name)
+        self._segments: dict[tuple[torch.Size, ...], Segments] = {}
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Gather (codes, norm) from every rank and average their decodes."""
@@ -82,6 +85,30 @@ class QSGD(StochasticCompressor):
             mean.addcmul_(levels, rank_norm.to(flat.dtype) / self.levels)
         mean.div_(slot.world_size)
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """:meth:`exchange` for small tensors side by side in ``flat``: one norm per tensor
+        (a segment), all codes packed together, one draw from the stream for them all."""
+        check_floating(flat)
+        segments = self._segments.get(tuple(shapes))
+        if segments is None:
+            segments = self._segments.setdefault(tuple(shapes), tensor_segments(shapes))
+        s = self.levels
+        norms = segments.sums(flat.double().square()).sqrt_().float()
+        norm = segments.expand(norms.to(flat.dtype))
+        local = self.random.uniform_(torch.empty_like(flat), slots[0])
+        levels = flat.abs().div_(torch.where(norm > 0, norm, 1.0)).mul_(s)
+        levels.add_(local).floor_().clamp_(max=s).copysign_(flat)
+        torch.mul(levels, norm / s, out=local)
+        gathered = yield Request.gather(pack(levels.add_(s), self.bits), norms)
+        mean = torch.zeros_like(flat)
+        for rank_packed, rank_norms in gathered:
+            self.unpack_levels(rank_packed, out=levels)
+            mean.addcmul_(levels, segments.expand((rank_norms / s).to(flat.dtype)))
+        mean.div_(slots[0].world_size)
+        return Exchanged(mean=mean, local=local)
 
     def encode(self, flat: Tensor, slot: Slot, local: Tensor) -> tuple[Tensor, Tensor]:
         """Packed codes and the fp32 norm of ``flat``; writes the decode into ``local``."""

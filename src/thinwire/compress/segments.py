@@ -11,6 +11,7 @@ few kernels each.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,10 +46,25 @@ class Segments:
         """Each segment's sum of the flat ``values``, in ``values``' dtype."""
         return torch.segment_reduce(values, "sum", lengths=self.counts(values.device))
 
+    def max(self, values: Tensor) -> Tensor:
+        """Each segment's largest value of the flat ``values``."""
+        return torch.segment_reduce(values, "max", lengths=self.counts(values.device))
+
     def expand(self, per_segment: Tensor) -> Tensor:
         """``per_segment[i]`` repeated over segment ``i``'s values: a flat tensor."""
         counts = self.counts(per_segment.device)
         return torch.repeat_interleave(per_segment, counts, output_size=self.total)
+
+
+def row_segments(shapes: Sequence[torch.Size], rows_of: Any) -> Segments:
+    """One segment per row of each tensor that ``rows_of(shape)`` gives rows for (their
+    count), else one per tensor: the scales of the per-row quantizers."""
+    lengths: list[int] = []
+    for shape in shapes:
+        numel = _numel(shape)
+        rows = rows_of(shape)
+        lengths += [numel // rows] * rows if rows is not None else [max(numel, 1)]
+    return Segments(lengths)
 
 
 def tensor_segments(shapes: Sequence[torch.Size]) -> Segments:

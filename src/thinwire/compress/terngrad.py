@@ -42,7 +42,7 @@ into buffers kept from the tensor's last exchange, so no full-size tensor is all
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +65,10 @@ from thinwire.compress.bits import (
     decode,
     pack,
     packed_size,
+    unpack,
 )
 from thinwire.compress.registry import register_compressor
+from thinwire.compress.segments import Segments, row_segments
 from thinwire.compress.stochastic import RankStream, StochasticCompressor, check_seed, l2_norm
 
 #: t for each 2-bit code t + 1 (code 3 is never sent)
@@ -95,6 +97,7 @@ class TernGrad(StochasticCompressor):
     name = "terngrad"
     summary = "TernGrad: unbiased stochastic ternary, 2 bits per value, max-shared scaler"
     aggregation = Aggregation.GATHER
+    segmented = True
 
     def __post_init__(self) -> None:
         sigma = self.clip_sigma
@@ -107,6 +110,7 @@ class TernGrad(StochasticCompressor):
             raise ValueError(f"per_row must be true or false, got {self.per_row!r}")
         self.random = RankStream(self.seed, self.name)
         self.buffers = OutputBuffers()
+        self._segments: dict[tuple[torch.Size, ...], Segments] = {}
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Share the scaler by a max all-reduce, then gather the ternary codes."""
@@ -145,6 +149,48 @@ class TernGrad(StochasticCompressor):
         mean.view(rows, -1).mul_(scalers)
         local.view(rows, -1).mul_(scalers)
         return mean, local
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """:meth:`exchange` for small tensors side by side in ``flat``: each tensor, or each
+        of its rows where :meth:`exchange` scales per row, is a segment with its own bound
+        and scaler (round 1: a max all-reduce of them all); the codes of all of them are
+        rounded as :func:`ternary_codes_rows` does and packed together."""
+        check_floating(flat)
+        segments = self._segments.get(tuple(shapes))
+        if segments is None:
+            segments = self._segments.setdefault(tuple(shapes), self._row_segments(shapes))
+        peaks = segments.max(flat.abs()).float()
+        bound = None
+        if self.clip_sigma is not None:
+            lengths = segments.counts(flat.device).double()
+            rms = (segments.sums(flat.double().square()) / lengths).sqrt_()
+            bounds = (rms * self.clip_sigma).float()
+            torch.minimum(peaks, bounds, out=peaks)
+            bound = segments.expand(bounds)
+        (s,) = yield Request.max(peaks)
+        scaler = segments.expand(s)
+        c = flat.to(torch.float32, copy=True)
+        if bound is not None:
+            c = torch.clamp(c, -bound, bound, out=c)
+        ratio = c.div_(torch.where(scaler > 0, scaler, 1.0)).mul_(2.0**16)
+        words = torch.empty(-(-flat.numel() // 4), dtype=torch.int64, device=flat.device)
+        noise = self.random.words_(words, slots[0]).bitwise_or_(ODD)
+        y = noise.view(torch.int16)[: flat.numel()].float().add_(ratio).add_(ROUNDER)
+        codes = y.view(torch.int32).to(torch.uint8)  # the lowest byte: t + 1
+        gathered = yield Request.gather(pack(codes, 2))
+        scaler = scaler.to(flat.dtype)
+        local = codes.to(flat.dtype).sub_(1).mul_(scaler)
+        ayes = torch.zeros_like(flat)
+        for (rank_packed,) in gathered:
+            ayes.add_(unpack(rank_packed, 2, flat.numel()).to(flat.dtype).sub_(1))
+        mean = ayes.mul_(scaler).div_(slots[0].world_size)
+        return Exchanged(mean=mean, local=local)
+
+    def _row_segments(self, shapes: Sequence[torch.Size]) -> Segments:
+        """One segment per row of each tensor scaled per row, else per tensor."""
+        return row_segments(shapes, scaled_rows if self.per_row else lambda shape: None)
 
     def bound(self, flat: Tensor) -> float | None:
         """The clip bound ``clip_sigma * sqrt(mean(flat²))`` (an fp32 value), or ``None``
