@@ -117,10 +117,20 @@ def _split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]
         ]
 
     def split(outcome: Exchanged) -> list[Exchanged]:
-        if outcome.sent_indices is not None:
-            raise ValueError("an element-wise compressor reported sent indices")
         means, locals_ = pieces(outcome.mean), pieces(outcome.local)
-        return [Exchanged(mean=m, local=lo) for m, lo in zip(means, locals_, strict=True)]
+        indices: list[Tensor | None] = [None] * len(like)
+        if outcome.sent_indices is not None:
+            if outcome.sent_counts is None or len(outcome.sent_counts) != len(like):
+                raise ValueError("a run side by side reported sent indices without their counts")
+            starts = [0]
+            for size in sizes[:-1]:
+                starts.append(starts[-1] + size)
+            parts = outcome.sent_indices.split(outcome.sent_counts)
+            indices = [part - start for part, start in zip(parts, starts, strict=True)]
+        return [
+            Exchanged(mean=m, local=lo, sent_indices=i)
+            for m, lo, i in zip(means, locals_, indices, strict=True)
+        ]
 
     return split
 

@@ -78,12 +78,16 @@ class Exchanged:
     tensor that was compressed (error feedback keeps ``corrected - local``).
     ``sent_indices``: for sparsifiers, the flat indices this rank sent *exactly*; memories
     then zero those entries (O(k)) instead of subtracting a dense ``local``, which may be
-    ``None`` in that case.
+    ``None`` in that case. ``sent_counts``: see the field.
     """
 
     mean: Tensor
     local: Tensor | None
     sent_indices: Tensor | None = None
+    #: for tensors exchanged side by side (:meth:`Compressor.exchange_segmented`): how
+    #: many of ``sent_indices`` (flat indices into them all, grouped by tensor in order)
+    #: are each tensor's
+    sent_counts: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ feedback (the default): the dropped entries wait in the residual.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,11 @@ class TopK(Compressor):
     summary = "top-k sparsification by magnitude (exact), values + int32 indices, gathered"
     aggregation = Aggregation.GATHER
     wants_error_feedback = True
+    segmented = True
 
     def __post_init__(self) -> None:
         self.density = check_fraction("density", self.density)
+        self._layouts: dict[tuple[tuple[torch.Size, ...], float], SegmentedTopK] = {}
 
     def compresses(self, tensor: Tensor) -> bool:
         """Tensors of one dimension (biases, norms) go dense."""
@@ -70,6 +73,26 @@ class TopK(Compressor):
         mean.div_(slot.world_size)
         return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=indices)
 
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """:meth:`exchange` for small tensors side by side in ``flat``: every tensor's
+        exact top-k at once (rows of one padded matrix), gathered together; the same
+        entries as each tensor's own exchange sends (exact top-k, whatever ``select``)."""
+        density = self.density_at(slots[0])
+        key = (tuple(shapes), density)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts.setdefault(key, SegmentedTopK(shapes, density))
+        indices = layout.select(flat)
+        values = flat.index_select(0, indices)
+        gathered = yield Request.gather(values, indices.to(torch.int32))
+        mean = torch.zeros_like(flat)
+        for rank_values, rank_indices in gathered:
+            mean.index_add_(0, rank_indices.long(), rank_values)
+        mean.div_(slots[0].world_size)
+        return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
+
     def density_at(self, slot: Slot) -> float:
         """The density used at ``slot.step`` (constant here; DGC warms up)."""
         return self.density
@@ -85,3 +108,40 @@ class TopK(Compressor):
         flat = tensor.reshape(-1)
         indices = self.select(flat, num_selected(flat.numel(), self.density_at(slot)), slot)
         return [flat.index_select(0, indices), indices.to(torch.int32)], flat.numel()
+
+
+class SegmentedTopK:
+    """The exact top-k of each of several tensors side by side in one flat tensor, with a
+    fixed number of kernels: their magnitudes are laid as the rows of one matrix padded
+    with -1 (below every magnitude), one ``torch.topk`` takes each row's largest, and a
+    mask keeps each row's own ``k``. Made once per layout and density."""
+
+    def __init__(self, shapes: Sequence[torch.Size], density: float) -> None:
+        sizes = [math.prod(shape) for shape in shapes]
+        self.ks = [num_selected(size, density) for size in sizes]
+        self.rows, self.width, self.kmax = len(sizes), max(sizes), max(self.ks)
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        self._starts = torch.tensor(starts, dtype=torch.int64).unsqueeze(1)
+        self._places = torch.cat(
+            [torch.arange(size) + row * self.width for row, size in enumerate(sizes)]
+        )
+        keep = torch.arange(self.kmax).unsqueeze(0) < torch.tensor(self.ks).unsqueeze(1)
+        self._keep = keep.view(-1).nonzero().view(-1)  # where each row's own k lie
+        self._on: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def select(self, flat: Tensor) -> Tensor:
+        """Flat indices of each tensor's top k by magnitude, grouped by tensor in order."""
+        starts, places, keep = self._moved(flat.device)
+        padded = flat.new_full((self.rows * self.width,), -1.0)
+        padded.index_copy_(0, places, flat.abs())
+        top = torch.topk(padded.view(self.rows, self.width), self.kmax, dim=1).indices
+        return (top + starts).view(-1).index_select(0, keep)
+
+    def _moved(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        moved = self._on.get(device)
+        if moved is None:
+            moved = (self._starts.to(device), self._places.to(device), self._keep.to(device))
+            self._on[device] = moved
+        return moved
