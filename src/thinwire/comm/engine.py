@@ -289,15 +289,16 @@ class GradientExchange:
         batch = _Batch(items, [], [], token)
         if self._before_step is None:  # the step's first exchange
             self._before_step = self.compressor.state_dict()
-        slots, correcteds, compressed = [], [], []
+        slots, compressed = [], []
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
-            slot = Slot(item.key, self.step, self.world_size, self.rank)
+            slots.append(Slot(item.key, self.step, self.world_size, self.rank))
             # an empty tensor has nothing to compress (top-k would ask for 1 of 0 entries)
             compressed.append(item.grad.numel() > 0 and self.compressor.compresses(item.grad))
-            correcteds.append(self.memory.compensate(item.grad, slot, item.param))
-            slots.append(slot)
             self._current.dense_bytes += item.grad.numel() * 4
+        correcteds = self.memory.compensate_many(
+            [item.grad for item in items], slots, [item.param for item in items]
+        )
         checks = FiniteChecks()  # of the gradient, or what the memory added to it
         own = (c is item.grad for c, item in zip(correcteds, items, strict=True))
         if whole is not None and not all(own):
@@ -335,10 +336,7 @@ class GradientExchange:
         """Let the memory keep what was not sent; the means in the gradients' dtypes."""
         if not isinstance(self.memory, NoMemory):
             for run in batch.runs:
-                for slot, corrected, result in zip(
-                    run.slots, run.correcteds, run.results, strict=True
-                ):
-                    self.memory.update(corrected, result, slot, run.compressed)
+                self.memory.update_many(run.correcteds, run.results, run.slots, run.compressed)
         self._current.tensors += len(batch.items)
         grads = [item.grad for item in batch.items]
         return Means(lambda: _means(batch.runs, grads), len(grads), whole_bucket(batch.runs, grads))

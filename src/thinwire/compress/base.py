@@ -238,6 +238,23 @@ class Memory(ABC):
         ``compressed`` is False for tensors that went dense (the compressor declined them).
         """
 
+    def compensate_many(
+        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+    ) -> list[Tensor]:
+        """:meth:`compensate` for each of a bucket's gradients (memories may batch it)."""
+        return [self.compensate(g, s, p) for g, s, p in zip(grads, slots, params, strict=True)]
+
+    def update_many(
+        self,
+        correcteds: Sequence[Tensor],
+        sents: Sequence[Exchanged],
+        slots: Sequence[Slot],
+        compressed: bool,
+    ) -> None:
+        """:meth:`update` for each tensor of a run (memories may batch it)."""
+        for corrected, sent, slot in zip(correcteds, sents, slots, strict=True):
+            self.update(corrected, sent, slot, compressed)
+
     def commit(self) -> None:
         """The step is taken: what it left in the memory becomes the state the next step
         compensates with."""

@@ -27,6 +27,7 @@ that, and allocate nothing after the first two steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,30 @@ class ResidualMemory(Memory):
         """``residual = corrected - sent``; exact zeroing for sparsifiers."""
         _subtract_sent(corrected, sent)
 
+    def compensate_many(
+        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+    ) -> list[Tensor]:
+        """:meth:`compensate` for a bucket, in two multi-tensor operations."""
+        if not _uniform(grads):
+            return super().compensate_many(grads, slots, params)
+        begun = [self._buffers.begin(s.key, g) for g, s in zip(grads, slots, strict=True)]
+        residuals = [kept[0] for kept, _ in begun]
+        correcteds = [fresh[0] for _, fresh in begun]
+        torch._foreach_copy_(correcteds, residuals)
+        torch._foreach_add_(correcteds, list(grads))
+        return correcteds
+
+    def update_many(
+        self,
+        correcteds: Sequence[Tensor],
+        sents: Sequence[Exchanged],
+        slots: Sequence[Slot],
+        compressed: bool,
+    ) -> None:
+        """:meth:`update` for a run: what was sent dense subtracted in one multi-tensor
+        operation, sparse sends zeroed one by one."""
+        _subtract_all_sent(correcteds, sents)
+
     def commit(self) -> None:
         """This step's residuals are the ones the next step adds."""
         self._buffers.commit()
@@ -211,6 +236,29 @@ class DGCMemory(Memory):
             u.add_(param.detach(), alpha=self.weight_decay * scale)
         return torch.add(v_kept, u, out=v)
 
+    def compensate_many(
+        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+    ) -> list[Tensor]:
+        """:meth:`compensate` for a bucket in a few multi-tensor operations (the same
+        arithmetic, in the same order); with clipping, one tensor at a time."""
+        if self.max_norm is not None or not _uniform(grads):
+            return super().compensate_many(grads, slots, params)
+        begun = [self._buffers.begin(s.key, g) for g, s in zip(grads, slots, strict=True)]
+        us = [fresh[0] for _, fresh in begun]
+        vs = [fresh[1] for _, fresh in begun]
+        torch._foreach_copy_(us, [kept[0] for kept, _ in begun])
+        torch._foreach_mul_(us, self.momentum)
+        torch._foreach_add_(us, list(grads))
+        if self.weight_decay:
+            decayed = [(u, p.detach()) for u, p in zip(us, params, strict=True) if p is not None]
+            if decayed:
+                torch._foreach_add_(
+                    [u for u, _ in decayed], [p for _, p in decayed], alpha=self.weight_decay
+                )
+        torch._foreach_copy_(vs, [kept[1] for kept, _ in begun])
+        torch._foreach_add_(vs, us)
+        return vs
+
     def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
         """Zero what was sent in ``v``; with masking, also in ``u`` (compressed tensors)."""
         _subtract_sent(corrected, sent)
@@ -249,6 +297,27 @@ class DGCMemory(Memory):
         self._buffers.load(
             {k: (velocities[k].clone(), accumulators[k].clone()) for k in velocities}
         )
+
+
+def _uniform(grads: Sequence[Tensor]) -> bool:
+    """Whether multi-tensor operations can take ``grads``: some, all fp32 on one device."""
+    if not grads:
+        return False
+    device = grads[0].device
+    return all(g.dtype == torch.float32 and g.device == device for g in grads)
+
+
+def _subtract_all_sent(correcteds: Sequence[Tensor], sents: Sequence[Exchanged]) -> None:
+    """:func:`_subtract_sent` for several tensors: dense sends in one multi-tensor
+    subtraction."""
+    dense = [(c, s.local) for c, s in zip(correcteds, sents, strict=True) if s.sent_indices is None]
+    for corrected, sent in zip(correcteds, sents, strict=True):
+        if sent.sent_indices is not None:
+            _subtract_sent(corrected, sent)
+    if any(local is None for _, local in dense):
+        raise ValueError("an exchange reported neither what it sent nor its indices")
+    if dense:
+        torch._foreach_sub_([c for c, _ in dense], [local for _, local in dense])
 
 
 def _subtract_sent(corrected: Tensor, sent: Exchanged) -> None:
