@@ -250,3 +250,29 @@ def test_memories_compensate_a_bucket_as_one_tensor_at_a_time(memory_kind: str) 
     for key, tensors in looped.state_dict().items():
         for name, tensor in tensors.items():
             assert torch.equal(batched.state_dict()[key][name], tensor)
+
+
+def test_randomk_segments_keep_k_shared_uniform_entries_per_tensor() -> None:
+    """Side by side: each tensor keeps exactly its k entries, the same on every rank (the
+    same seed, keys and step), each entry about k/n of the steps."""
+    from thinwire.comm.runs import _split_flat
+
+    shapes = [torch.Size((20, 10)), torch.Size((4, 25))]
+    flat = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    like = [flat[:200].view(20, 10), flat[200:].view(4, 25)]
+    kept = torch.zeros(300)
+    steps = 400
+    for step in range(steps):
+        slots = [Slot(f"t{i}", step, world_size=1) for i in range(2)]
+        results = [
+            run_locally(
+                thinwire.compressor("randomk", density=0.1).exchange_segmented(flat, shapes, slots)
+            )
+            for _ in range(2)  # two "ranks"
+        ]
+        assert torch.equal(results[0].sent_indices, results[1].sent_indices)
+        pieces = _split_flat(like)(results[0])
+        assert [p.sent_indices.numel() for p in pieces] == [20, 10]
+        kept[results[0].sent_indices] += 1
+    frequency = kept / steps  # 0.1 each; a binomial's 6 standard deviations around it
+    assert bool(((frequency - 0.1).abs() < 6 * (0.1 * 0.9 / steps) ** 0.5).all())

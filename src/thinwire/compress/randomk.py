@@ -40,6 +40,7 @@ from thinwire.compress.base import (
 )
 from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.registry import register_compressor
+from thinwire.compress.topk import SegmentedTopK
 
 
 @register_compressor
@@ -62,8 +63,10 @@ class RandomK(Compressor):
     summary = "random-k sparsification, indices from a shared seed (none sent), summed"
     aggregation = Aggregation.SUM
     wants_error_feedback = True
+    segmented = True
 
     def __post_init__(self) -> None:
+        self._layouts: dict[tuple[torch.Size, ...], SegmentedTopK] = {}
         self.density = check_fraction("density", self.density)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -98,6 +101,30 @@ class RandomK(Compressor):
             return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=indices)
         local = torch.zeros_like(flat).index_copy_(0, indices, values)
         return Exchanged(mean=mean.view_as(tensor), local=local.view_as(tensor))
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """:meth:`exchange` for small tensors side by side in ``flat``: each tensor keeps
+        a uniformly random k-subset of its entries (the k largest of uniform scores drawn
+        for the bucket from the shared seed, its first key and the step: the same on every
+        rank), one all-reduce of all the kept values."""
+        layout = self._layouts.get(tuple(shapes))
+        if layout is None:
+            layout = self._layouts.setdefault(tuple(shapes), SegmentedTopK(shapes, self.density))
+        first = slots[0]
+        seed = stable_seed(self.seed, first.key, len(slots), first.step)
+        scores = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(seed))
+        indices = layout.select(scores.to(flat.device))
+        values = flat.index_select(0, indices)
+        if self.rescale:
+            values.mul_(layout.kept_fraction(flat.device).reciprocal())
+        (summed,) = yield Request.sum(values / first.world_size)
+        mean = torch.zeros_like(flat).index_copy_(0, indices, summed)
+        if not self.rescale:
+            return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
+        local = torch.zeros_like(flat).index_copy_(0, indices, values)
+        return Exchanged(mean=mean, local=local)
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([values], (indices, numel))``."""

@@ -120,6 +120,10 @@ class SegmentedTopK:
         sizes = [math.prod(shape) for shape in shapes]
         self.ks = [num_selected(size, density) for size in sizes]
         self.rows, self.width, self.kmax = len(sizes), max(sizes), max(self.ks)
+        #: per kept entry, k / n of its tensor
+        self._fraction = torch.cat(
+            [torch.full((k,), k / size) for k, size in zip(self.ks, sizes, strict=True)]
+        )
         starts = [0]
         for size in sizes[:-1]:
             starts.append(starts[-1] + size)
@@ -138,6 +142,10 @@ class SegmentedTopK:
         padded.index_copy_(0, places, flat.abs())
         top = torch.topk(padded.view(self.rows, self.width), self.kmax, dim=1).indices
         return (top + starts).view(-1).index_select(0, keep)
+
+    def kept_fraction(self, device: torch.device) -> Tensor:
+        """Per kept entry (in :meth:`select`'s order), the fraction k / n of its tensor."""
+        return self._fraction.to(device)
 
     def _moved(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         moved = self._on.get(device)
