@@ -276,3 +276,20 @@ def test_randomk_segments_keep_k_shared_uniform_entries_per_tensor() -> None:
         kept[results[0].sent_indices] += 1
     frequency = kept / steps  # 0.1 each; a binomial's 6 standard deviations around it
     assert bool(((frequency - 0.1).abs() < 6 * (0.1 * 0.9 / steps) ** 0.5).all())
+
+
+def test_segments_reduce_and_expand_as_each_segment_alone() -> None:
+    from thinwire.compress.segments import Segments
+
+    lengths = [5, 1, 64, 3]
+    values = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(1))
+    segments = Segments(lengths)
+    parts = values.split(lengths)
+    torch.testing.assert_close(segments.sums(values), torch.stack([p.sum() for p in parts]))
+    assert torch.equal(segments.max(values), torch.stack([p.max() for p in parts]))
+    expanded = segments.expand(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert torch.equal(
+        expanded, torch.repeat_interleave(torch.arange(1.0, 5.0), torch.tensor(lengths))
+    )
+    with pytest.raises(ValueError, match="lengths >= 1"):
+        Segments([3, 0])

@@ -3,9 +3,11 @@ expanded with a fixed number of kernels whatever their count.
 
 A compressor that scales per tensor or per row (1-bit SGD, signSGD) computes one scale per
 *segment*; over a bucket of small tensors laid side by side, :meth:`Segments.sums` takes
-every segment's sum in one kernel and :meth:`Segments.expand` spreads one value per
-segment back over its values in another, where a loop over the tensors would launch a
-few kernels each.
+every segment's sum with a couple of kernels and :meth:`Segments.expand` spreads one value
+per segment back over its values in another, where a loop over the tensors would launch a
+few kernels each. None of them makes the host wait for a GPU (``torch.segment_reduce``
+does: it reads the lengths back), and all are deterministic: sums are differences of one
+fp64 running sum, maxima a scatter of the order-free ``amax``.
 """
 
 from __future__ import annotations
@@ -29,31 +31,45 @@ class Segments:
             raise ValueError(f"segments need lengths >= 1, got {list(lengths)[:8]}")
         self.lengths = list(lengths)
         self.total = sum(self.lengths)
-        self._on: dict[torch.device, Tensor] = {}
+        self._on: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def counts(self, device: torch.device) -> Tensor:
         """The lengths as an int64 tensor on ``device`` (made once per device)."""
-        counts = self._on.get(device)
-        if counts is None:
-            counts = torch.tensor(self.lengths, dtype=torch.int64, device=device)
-            self._on[device] = counts
-        return counts
+        return self._moved(device)[0]
+
+    def _moved(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """(lengths, ends, segment of each value) on ``device``, made once per device."""
+        moved = self._on.get(device)
+        if moved is None:
+            lengths = torch.tensor(self.lengths, dtype=torch.int64)
+            ends = lengths.cumsum(0)
+            owner = torch.repeat_interleave(torch.arange(len(self.lengths)), lengths)
+            moved = (lengths.to(device), ends.to(device), owner.to(device))
+            self._on[device] = moved
+        return moved
 
     def sums(self, values: Tensor) -> Tensor:
-        """Each segment's sum of the flat ``values``, in ``values``' dtype."""
-        return torch.segment_reduce(values, "sum", lengths=self.counts(values.device))
+        """Each segment's sum of the flat ``values``, in ``values``' dtype (taken in fp64:
+        the differences of a running sum at the segments' ends)."""
+        _, ends, _ = self._moved(values.device)
+        running = values.cumsum(0, dtype=torch.float64)
+        at_ends = running.index_select(0, ends - 1)
+        before = torch.cat([at_ends.new_zeros(1), at_ends[:-1]])
+        return (at_ends - before).to(values.dtype)
 
     def max(self, values: Tensor) -> Tensor:
         """Each segment's largest value of the flat ``values``."""
-        return torch.segment_reduce(values, "max", lengths=self.counts(values.device))
+        _, _, owner = self._moved(values.device)
+        out = values.new_full((len(self.lengths),), float("-inf"))
+        return out.scatter_reduce_(0, owner, values, "amax")
 
     def expand(self, per_segment: Tensor) -> Tensor:
         """``per_segment[i]`` repeated over segment ``i``'s values: a flat tensor."""
-        counts = self.counts(per_segment.device)
-        return torch.repeat_interleave(per_segment, counts, output_size=self.total)
+        _, _, owner = self._moved(per_segment.device)
+        return per_segment.index_select(0, owner)
 
 
 def row_segments(shapes: Sequence[torch.Size], rows_of: Any) -> Segments:
