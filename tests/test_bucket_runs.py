@@ -293,3 +293,13 @@ def test_segments_reduce_and_expand_as_each_segment_alone() -> None:
     )
     with pytest.raises(ValueError, match="lengths >= 1"):
         Segments([3, 0])
+
+
+def test_a_small_segment_keeps_its_sum_beside_large_ones() -> None:
+    """A running sum's differences lost a tiny segment beside large ones (on a GPU they
+    came out negative, and TernGrad's square root made its bound NaN)."""
+    from thinwire.compress.segments import Segments
+
+    values = torch.cat([torch.full((1000,), 1e8), torch.full((5,), 1e-6), torch.full((3,), 1e8)])
+    sums = Segments([1000, 5, 3]).sums(values.square())
+    torch.testing.assert_close(sums[1], torch.tensor(5e-12), rtol=1e-6, atol=0.0)

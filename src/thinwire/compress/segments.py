@@ -5,9 +5,14 @@ A compressor that scales per tensor or per row (1-bit SGD, signSGD) computes one
 *segment*; over a bucket of small tensors laid side by side, :meth:`Segments.sums` takes
 every segment's sum with a couple of kernels and :meth:`Segments.expand` spreads one value
 per segment back over its values in another, where a loop over the tensors would launch a
-few kernels each. None of them makes the host wait for a GPU (``torch.segment_reduce``
-does: it reads the lengths back), and all are deterministic: sums are differences of one
-fp64 running sum, maxima a scatter of the order-free ``amax``.
+few kernels each. Sums are taken in fp64, each segment's alone: on the CPU by
+``torch.segment_reduce`` (in order, deterministic); on a GPU by an fp64 ``index_add_``,
+since ``segment_reduce`` makes the host wait there (it reads the lengths back). A GPU's
+atomic adds may add in another order from one run to the next, which moves an fp64 sum by
+about 1e-16 of itself, below what the fp32 results keep. (Differences of one running sum
+would be deterministic but lose a small segment's sum beside large ones: on a GPU they
+came out negative and made TernGrad's bound NaN.) Maxima are a scatter of the order-free
+``amax``.
 """
 
 from __future__ import annotations
@@ -52,13 +57,14 @@ class Segments:
         return moved
 
     def sums(self, values: Tensor) -> Tensor:
-        """Each segment's sum of the flat ``values``, in ``values``' dtype (taken in fp64:
-        the differences of a running sum at the segments' ends)."""
-        _, ends, _ = self._moved(values.device)
-        running = values.cumsum(0, dtype=torch.float64)
-        at_ends = running.index_select(0, ends - 1)
-        before = torch.cat([at_ends.new_zeros(1), at_ends[:-1]])
-        return (at_ends - before).to(values.dtype)
+        """Each segment's sum of the flat ``values`` (taken in fp64), in ``values``'
+        dtype."""
+        lengths, _, owner = self._moved(values.device)
+        wide = values.to(torch.float64)
+        if values.device.type == "cpu":
+            return torch.segment_reduce(wide, "sum", lengths=lengths).to(values.dtype)
+        out = torch.zeros(len(self.lengths), dtype=torch.float64, device=values.device)
+        return out.index_add_(0, owner, wide).to(values.dtype)
 
     def max(self, values: Tensor) -> Tensor:
         """Each segment's largest value of the flat ``values``."""
