@@ -201,7 +201,7 @@ def test_stochastic_segments_are_unbiased_and_on_their_grid(name: str) -> None:
 def test_sparse_segments_send_each_tensors_own_top_k(name: str) -> None:
     """Small matrices side by side: every tensor sends exactly its own top-k entries (as
     alone), and the sent indices come back to each tensor in its own numbering."""
-    from thinwire.comm.runs import _split_flat
+    from thinwire.comm.runs import split_flat
 
     gen = torch.Generator().manual_seed(6)
     grads = [torch.randn(shape, generator=gen) for shape in [(30, 20), (7, 9), (64, 64)]]
@@ -209,7 +209,7 @@ def test_sparse_segments_send_each_tensors_own_top_k(name: str) -> None:
     slots = [Slot(f"t{i}", 5000, world_size=1) for i in range(len(grads))]
     compressor = thinwire.compressor(name, density=0.05)
     together = run_locally(compressor.exchange_segmented(flat, [g.shape for g in grads], slots))
-    pieces = _split_flat(grads)(together)
+    pieces = split_flat(grads)(together)
     for grad, piece in zip(grads, pieces, strict=True):
         k = max(1, round(grad.numel() * 0.05))
         expected = torch.topk(grad.reshape(-1).abs(), k).indices
@@ -255,7 +255,7 @@ def test_memories_compensate_a_bucket_as_one_tensor_at_a_time(memory_kind: str) 
 def test_randomk_segments_keep_k_shared_uniform_entries_per_tensor() -> None:
     """Side by side: each tensor keeps exactly its k entries, the same on every rank (the
     same seed, keys and step), each entry about k/n of the steps."""
-    from thinwire.comm.runs import _split_flat
+    from thinwire.comm.runs import split_flat
 
     shapes = [torch.Size((20, 10)), torch.Size((4, 25))]
     flat = torch.randn(300, generator=torch.Generator().manual_seed(2))
@@ -271,7 +271,7 @@ def test_randomk_segments_keep_k_shared_uniform_entries_per_tensor() -> None:
             for _ in range(2)  # two "ranks"
         ]
         assert torch.equal(results[0].sent_indices, results[1].sent_indices)
-        pieces = _split_flat(like)(results[0])
+        pieces = split_flat(like)(results[0])
         assert [p.sent_indices.numel() for p in pieces] == [20, 10]
         kept[results[0].sent_indices] += 1
     frequency = kept / steps  # 0.1 each; a binomial's 6 standard deviations around it

@@ -105,7 +105,9 @@ def flatten(tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def _split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]]:
+def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]]:
+    """How to split the outcome of a run of tensors shaped as ``like``, side by side, into
+    one outcome per tensor (sent indices back in each tensor's own numbering)."""
     sizes = [t.numel() for t in like]
 
     def pieces(flat: Tensor | None) -> list[Tensor | None]:
@@ -251,13 +253,13 @@ def start_run(
     chosen = compressor if planned.compressed else dense
     if planned.shapes is not None:
         protocol = chosen.exchange_segmented(planned.tensor, planned.shapes, member_slots)
-        split = _split_flat([correcteds[i] for i in members])
+        split = split_flat([correcteds[i] for i in members])
     elif len(members) == 1 and not planned.stacked and planned.sizes is None:
         protocol = chosen.exchange(planned.tensor, member_slots[0])
         split = _alone
     elif chosen.elementwise:
         protocol = chosen.exchange(planned.tensor, _run_slot(member_slots))
-        split = _split_flat([correcteds[i] for i in members])
+        split = split_flat([correcteds[i] for i in members])
     else:
         protocol = chosen.exchange_stacked(planned.tensor, member_slots)
         split = _split_stacked(len(members))
