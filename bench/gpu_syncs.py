@@ -28,23 +28,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
+from host_cost import THINWIRE  # bench/ is on the path when this file runs
 from thinwire.launch import free_port
 
-#: compressors and the options they run with here
-METHODS: dict[str, dict[str, Any]] = {
-    "ddp": {},
-    "none": {},
-    "fp16": {},
-    "bf16": {},
-    "powersgd": {"rank": 2},
-    "dgc": {"density": 0.01},
-    "topk": {"density": 0.01},
-    "randomk": {"density": 0.01},
-    "onebit": {},
-    "signsgd": {},
-    "terngrad": {},
-    "qsgd": {},
-}
+#: compressors and the options they run with here: those of ``host_cost.py``
+METHODS: dict[str, dict[str, Any]] = {"ddp": {}, **THINWIRE}
 
 
 def count_syncs(method: str, layers: int = 8, width: int = 256, warmup: int = 3) -> dict[str, Any]:
