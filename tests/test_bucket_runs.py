@@ -303,3 +303,24 @@ def test_a_small_segment_keeps_its_sum_beside_large_ones() -> None:
     values = torch.cat([torch.full((1000,), 1e8), torch.full((5,), 1e-6), torch.full((3,), 1e8)])
     sums = Segments([1000, 5, 3]).sums(values.square())
     torch.testing.assert_close(sums[1], torch.tensor(5e-12), rtol=1e-6, atol=0.0)
+
+
+def test_randomk_segments_keep_the_same_entries_whatever_the_bucket_layout() -> None:
+    """DDP lays its buckets out anew after the first step, and a resumed run starts from
+    the first layout again: each tensor's kept entries must not depend on its place."""
+    from thinwire.comm.runs import split_flat
+
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(20, 10, generator=gen), torch.randn(4, 25, generator=gen)
+
+    def kept(order: list[tuple[str, torch.Tensor]]) -> dict[str, list[int]]:
+        flat = torch.cat([t.reshape(-1) for _, t in order])
+        slots = [Slot(key, 7, world_size=1) for key, _ in order]
+        compressor = thinwire.compressor("randomk", density=0.1)
+        result = run_locally(
+            compressor.exchange_segmented(flat, [t.shape for _, t in order], slots)
+        )
+        pieces = split_flat([t for _, t in order])(result)
+        return {key: sorted(p.sent_indices.tolist()) for (key, _), p in zip(order, pieces)}
+
+    assert kept([("a", a), ("b", b)]) == kept([("b", b), ("a", a)])

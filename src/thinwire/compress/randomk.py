@@ -20,6 +20,7 @@ large part of n, ``randperm`` is as cheap as the draws and is used instead.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,14 +108,24 @@ class RandomK(Compressor):
     ) -> Exchange:
         """:meth:`exchange` for small tensors side by side in ``flat``: each tensor keeps
         a uniformly random k-subset of its entries (the k largest of uniform scores drawn
-        for the bucket from the shared seed, its first key and the step: the same on every
-        rank), one all-reduce of all the kept values."""
+        from the shared seed, its key and the step: the same on every rank, and whatever
+        the bucket's layout, which DDP changes after its first step), one all-reduce of
+        all the kept values."""
         layout = self._layouts.get(tuple(shapes))
         if layout is None:
             layout = self._layouts.setdefault(tuple(shapes), SegmentedTopK(shapes, self.density))
         first = slots[0]
-        seed = stable_seed(self.seed, first.key, len(slots), first.step)
-        scores = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(seed))
+        scores = torch.cat(
+            [
+                torch.rand(
+                    math.prod(shape),
+                    generator=torch.Generator().manual_seed(
+                        stable_seed(self.seed, slot.key, slot.step, "scores")
+                    ),
+                )
+                for shape, slot in zip(shapes, slots, strict=True)
+            ]
+        )
         indices = layout.select(scores.to(flat.device))
         values = flat.index_select(0, indices)
         if self.rescale:
