@@ -324,3 +324,21 @@ def test_randomk_segments_keep_the_same_entries_whatever_the_bucket_layout() -> 
         return {key: sorted(p.sent_indices.tolist()) for (key, _), p in zip(order, pieces)}
 
     assert kept([("a", a), ("b", b)]) == kept([("b", b), ("a", a)])
+
+
+def test_randomk_keeps_a_small_tensors_entries_alone_or_side_by_side() -> None:
+    """The parameter server exchanges tensors one by one, the optimizer wrapper side by
+    side: a small tensor must keep the same entries either way."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(20, 10, generator=gen), torch.randn(4, 25, generator=gen)
+    compressor = thinwire.compressor("randomk", density=0.1)
+    slots = [Slot("a", 3, world_size=1), Slot("b", 3, world_size=1)]
+    flat = torch.cat([a.reshape(-1), b.reshape(-1)])
+    together = run_locally(compressor.exchange_segmented(flat, [a.shape, b.shape], slots))
+    from thinwire.comm.runs import split_flat
+
+    pieces = split_flat([a, b])(together)
+    for tensor, slot, piece in zip((a, b), slots, pieces, strict=True):
+        alone = run_locally(compressor.exchange(tensor, slot))
+        assert sorted(piece.sent_indices.tolist()) == alone.sent_indices.tolist()
+        assert torch.equal(piece.mean.reshape(tensor.shape), alone.mean)

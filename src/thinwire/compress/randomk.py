@@ -41,6 +41,7 @@ from thinwire.compress.base import (
 )
 from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.registry import register_compressor
+from thinwire.compress.segments import SMALL
 from thinwire.compress.topk import SegmentedTopK
 
 
@@ -84,10 +85,22 @@ class RandomK(Compressor):
         return tensor.dim() > 1
 
     def indices(self, numel: int, slot: Slot) -> Tensor:
-        """The sorted flat indices kept at ``slot``: the same on every rank."""
+        """The sorted flat indices kept at ``slot``: the same on every rank. A small
+        tensor keeps the k largest of its :func:`scores` (as it does side by side with
+        others, :meth:`exchange_segmented`), a larger one a sample drawn in O(k)."""
         k = num_selected(numel, self.density)
+        if numel <= SMALL:
+            return torch.topk(self.scores(numel, slot), k).indices.sort().values
         generator = torch.Generator().manual_seed(stable_seed(self.seed, slot.key, slot.step))
         return sample_without_replacement(numel, k, generator)
+
+    def scores(self, numel: int, slot: Slot) -> Tensor:
+        """Uniform fp64 scores of a small tensor's entries at ``slot``, from the shared
+        seed, its key and the step (fp64: ties, which two ways of taking the top k could
+        break differently, practically never happen)."""
+        seed = stable_seed(self.seed, slot.key, slot.step, "scores")
+        generator = torch.Generator().manual_seed(seed)
+        return torch.rand(numel, generator=generator, dtype=torch.float64)
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum the values at the shared indices over ranks and scatter them."""
@@ -116,15 +129,7 @@ class RandomK(Compressor):
             layout = self._layouts.setdefault(tuple(shapes), SegmentedTopK(shapes, self.density))
         first = slots[0]
         scores = torch.cat(
-            [
-                torch.rand(
-                    math.prod(shape),
-                    generator=torch.Generator().manual_seed(
-                        stable_seed(self.seed, slot.key, slot.step, "scores")
-                    ),
-                )
-                for shape, slot in zip(shapes, slots, strict=True)
-            ]
+            [self.scores(math.prod(shape), slot) for shape, slot in zip(shapes, slots, strict=True)]
         )
         indices = layout.select(scores.to(flat.device))
         values = flat.index_select(0, indices)
