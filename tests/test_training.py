@@ -17,7 +17,10 @@ METHODS = {
     "fp16": {},
     "bf16": {},
     "topk": {"density": 0.01},
-    "randomk": {"density": 0.25},  # below ~0.25 it diverges at lr 0.1, momentum 0.9
+    # at 0.25 (the edge: below it random-k diverges at lr 0.1, momentum 0.9) the outcome
+    # depends on which subsets are drawn: three seedings of the same uniform draws ended
+    # at 0.63, 0.93 and 0.98 against dense's 0.98; at 0.35 all three pass
+    "randomk": {"density": 0.35},
     "dgc": {"density": 0.005, "warmup_steps": 60},
     "powersgd": {"rank": 4},
     "powersgd-oneround": {"rank": 4},
