@@ -342,3 +342,17 @@ def test_randomk_keeps_a_small_tensors_entries_alone_or_side_by_side() -> None:
         alone = run_locally(compressor.exchange(tensor, slot))
         assert sorted(piece.sent_indices.tolist()) == alone.sent_indices.tolist()
         assert torch.equal(piece.mean.reshape(tensor.shape), alone.mean)
+
+
+def test_a_whole_bucket_with_an_empty_tensor_still_goes_through_the_compressor() -> None:
+    """fp16 over a DDP bucket holding an empty parameter: the bucket went whole through
+    the dense fallback (fp32) because one member was not compressed."""
+    buffer, views = _bucket([(4, 3), (3,)])
+    empty = buffer[:0].view(0, 5)
+    correcteds = [views[0], empty, views[1]]
+    fp16 = thinwire.compressor("fp16")
+    planned = plan_runs(correcteds, [True, False, True], fp16, whole=buffer)
+    assert [p.compressed for p in planned if p.tensor.numel()] == [True]
+    everything = plan_runs([views[0], views[1]], [True, True], fp16, whole=buffer)
+    assert len(everything) == 1 and everything[0].compressed
+    assert everything[0].tensor is buffer

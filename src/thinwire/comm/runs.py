@@ -190,9 +190,9 @@ def plan_runs(
     planned: list[Planned] = []
     dense = [i for i, c in enumerate(compressed) if not c]
     chosen = [i for i, c in enumerate(compressed) if c]
-    if whole is not None and (len(dense) == len(correcteds) or compressor.elementwise):
+    if whole is not None and (not chosen or (not dense and compressor.elementwise)):
         sizes = [t.numel() for t in correcteds]
-        return [Planned(list(range(len(correcteds))), whole, not dense, sizes=sizes)]
+        return [Planned(list(range(len(correcteds))), whole, bool(chosen), sizes=sizes)]
     planned += _side_by_side(dense, correcteds, compressed=False)
     if compressor.elementwise:
         planned += _side_by_side(chosen, correcteds, compressed=True)

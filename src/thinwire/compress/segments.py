@@ -36,7 +36,7 @@ class Segments:
             raise ValueError(f"segments need lengths >= 1, got {list(lengths)[:8]}")
         self.lengths = list(lengths)
         self.total = sum(self.lengths)
-        self._on: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self._on: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -45,21 +45,20 @@ class Segments:
         """The lengths as an int64 tensor on ``device`` (made once per device)."""
         return self._moved(device)[0]
 
-    def _moved(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """(lengths, ends, segment of each value) on ``device``, made once per device."""
+    def _moved(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(lengths, segment of each value) on ``device``, made once per device."""
         moved = self._on.get(device)
         if moved is None:
             lengths = torch.tensor(self.lengths, dtype=torch.int64)
-            ends = lengths.cumsum(0)
             owner = torch.repeat_interleave(torch.arange(len(self.lengths)), lengths)
-            moved = (lengths.to(device), ends.to(device), owner.to(device))
+            moved = (lengths.to(device), owner.to(device))
             self._on[device] = moved
         return moved
 
     def sums(self, values: Tensor) -> Tensor:
         """Each segment's sum of the flat ``values`` (taken in fp64), in ``values``'
         dtype."""
-        lengths, _, owner = self._moved(values.device)
+        lengths, owner = self._moved(values.device)
         wide = values.to(torch.float64)
         if values.device.type == "cpu":
             return torch.segment_reduce(wide, "sum", lengths=lengths).to(values.dtype)
@@ -68,13 +67,13 @@ class Segments:
 
     def max(self, values: Tensor) -> Tensor:
         """Each segment's largest value of the flat ``values``."""
-        _, _, owner = self._moved(values.device)
+        _, owner = self._moved(values.device)
         out = values.new_full((len(self.lengths),), float("-inf"))
         return out.scatter_reduce_(0, owner, values, "amax")
 
     def expand(self, per_segment: Tensor) -> Tensor:
         """``per_segment[i]`` repeated over segment ``i``'s values: a flat tensor."""
-        _, _, owner = self._moved(per_segment.device)
+        _, owner = self._moved(per_segment.device)
         return per_segment.index_select(0, owner)
 
 
