@@ -14,7 +14,9 @@ from thinwire.comm import GradientExchange, StepStats
 from thinwire.compress import Compressor, compressor, compressors, register_compressor
 from thinwire.data_parallel import (
     DelayedAveraging,
+    DiLoCo,
     DistributedOptimizer,
+    LocalSGD,
     ParameterServer,
     register,
     tapered_buckets,
@@ -32,9 +34,11 @@ __all__ = [
     "CommunicationError",
     "Compressor",
     "DelayedAveraging",
+    "DiLoCo",
     "DistributedOptimizer",
     "GradientExchange",
     "IncompatibleCompressorError",
+    "LocalSGD",
     "ModelLayout",
     "NonFiniteGradientError",
     "ParallelPlan",

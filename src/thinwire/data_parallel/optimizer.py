@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,15 @@ from thinwire.comm.gradients import gradient_of
 from thinwire.compress.base import Compressor, Memory, check_flag, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.data_parallel.parameters import split_parameters
+
+
+@dataclass
+class StartedExchange:
+    """An exchange of every gradient under way (:meth:`DistributedOptimizer.start_synchronize`):
+    its buckets of gradients and the future of their averages."""
+
+    buckets: list[list[GradientItem]]
+    future: torch.futures.Future
 
 
 class DistributedOptimizer:
@@ -133,6 +143,12 @@ class DistributedOptimizer:
         rank gave a gradient is then stepped with zeros, so its momentum and weight decay
         still act, where a local optimizer would skip it: build the wrapper over the
         parameters that train (``requires_grad=False`` on those that never do)."""
+        self.finish_synchronize(self.start_synchronize())
+
+    def start_synchronize(self) -> StartedExchange:
+        """Start averaging every gradient on the exchange thread and return at once; the
+        gradients must stay untouched until :meth:`finish_synchronize` (which
+        :meth:`synchronize` calls at once) has written the averages into them."""
         self.check_requires_grad_unchanged()
         buckets = []
         for bucket in self.buckets:
@@ -140,8 +156,13 @@ class DistributedOptimizer:
             for name, p in bucket:
                 items.append(GradientItem(name, gradient_of(name, p), p))
             buckets.append(items)
-        means = self.engine.submit(lambda: self._exchange(buckets)).wait()
-        for items, bucket_means in zip(buckets, means, strict=True):
+        return StartedExchange(buckets, self.engine.submit(lambda: self._exchange(buckets)))
+
+    def finish_synchronize(self, started: StartedExchange) -> None:
+        """Wait for the exchange :meth:`start_synchronize` began and write the averages
+        into the gradients (an exchange's error is raised here)."""
+        means = started.future.wait()
+        for items, bucket_means in zip(started.buckets, means, strict=True):
             for item, mean in zip(items, bucket_means, strict=True):
                 item.grad.copy_(mean)
 
