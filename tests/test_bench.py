@@ -175,6 +175,31 @@ def test_delayed_averaging_and_parameter_servers_run_in_the_bench(tmp_path: Path
         parse_methods("ps-async", {"ps-async": {"momentum": 1.5}})
 
 
+def test_local_sgd_and_diloco_run_in_the_bench(tmp_path: Path) -> None:
+    options = {"local-sgd": {"sync_every": 1}, "diloco": {"sync_every": 3}}
+    config = BenchConfig(
+        task="digits",
+        methods=parse_methods("dense,local-sgd,diloco", options, steps=6),
+        workers=2,
+        steps=6,
+        lr=0.1,
+        network="loopback",
+        measure_from=0,
+    )
+    by = {r["method"]: r for r in run_bench(config, tmp_path)}
+    # weights averaged after every step of SGD with momentum: DDP's updates (SGD is linear
+    # in the gradient and its momentum buffer)
+    assert by["local-sgd"]["loss_history"] == pytest.approx(
+        by["dense"]["loss_history"], rel=1e-4
+    )
+    # fp32 weights every third step: a third of DDP's bytes
+    assert by["diloco"]["bytes_sent_per_step"] == pytest.approx(
+        by["dense"]["bytes_sent_per_step"] / 3, rel=0.15
+    )
+    assert by["diloco"]["options"]["outer_lr"] == 0.7
+    assert by["diloco"]["loss_history"][-1] != pytest.approx(by["dense"]["loss_history"][-1])
+
+
 def test_sparse_embedding_methods_train_as_dense_ddp_with_far_fewer_bytes(
     tmp_path: Path,
 ) -> None:

@@ -191,6 +191,33 @@ def test_delayed_averaging_hides_latency_behind_compute_by_hand() -> None:
     assert step_time(compute, dga(4, 4), thin, 4) == pytest.approx(1.2)
 
 
+def test_local_sgd_and_diloco_rounds_by_hand() -> None:
+    compute = ComputeTime(forward_s=0.2, backward_s=0.6, optimizer_s=0.0)  # 0.8 s
+    link = bare(MBYTE_PER_S, latency_s=0.1)  # one exchange of 400 kB on 4 ranks: 1.2 s
+    bucket = BucketCost(1.0, 0.4, (Collective(ALLREDUCE, 400_000),))  # 0.4 s to compress
+
+    def rounds(sync_every: int, fragments: int = 1, overlap: int = 0) -> MethodCost:
+        options = {"sync_every": sync_every, "fragments": fragments, "overlap": overlap}
+        return MethodCost("diloco", (bucket,), 1_600_000, options, schedule="local")
+
+    # synchronous: the round's compression and exchange once every H steps
+    assert step_time(compute, rounds(1), link, 4) == pytest.approx(0.8 + 1.6)
+    assert step_time(compute, rounds(8), link, 4) == pytest.approx(0.8 + 1.6 / 8)
+    # 2 fragments, each 0.6 s of latency and 0.3 s of bytes: synchronous, both stop
+    assert step_time(compute, rounds(8, 2), link, 4) == pytest.approx(0.8 + (0.4 + 1.8) / 8)
+    # overlapped, each behind 1 step of 0.8 s: 0.1 s of each shows
+    assert step_time(compute, rounds(8, 2, 1), link, 4) == pytest.approx(0.8 + (0.4 + 0.2) / 8)
+    # behind 2 steps, all of it hides: only compression shows
+    assert step_time(compute, rounds(8, 2, 2), link, 4) == pytest.approx(0.8 + 0.4 / 8)
+    # a link too slow to carry a round's bytes in its H steps: the bytes set the pace
+    slow = bare(MBYTE_PER_S / 100, latency_s=0.0)  # 60 s of bytes a round
+    assert step_time(compute, rounds(8, 2, 7), slow, 4) == pytest.approx(60.0 / 8)
+    # per step, a round's bytes are spread over its H steps
+    prediction = predict_step(compute, rounds(8), link, 4)
+    assert prediction.payload_bytes == 50_000
+    assert prediction.compression_ratio == pytest.approx(32.0)
+
+
 def test_parameter_server_step_by_hand() -> None:
     compute = ComputeTime(forward_s=0.5, backward_s=0.5)
     link = bare(MBYTE_PER_S, latency_s=0.05)  # 1e6 bytes/s, alpha = 0.05 s

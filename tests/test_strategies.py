@@ -26,7 +26,7 @@ from thinwire.strategies.base import COSTINGS, SCHEDULES
 
 BUILT_IN = (
     "local", "dense", "ddp-fp16", "ddp-powersgd", "dga", "ps-sync", "ps-async",
-    "emb-allgather", "emb-sharded",
+    "emb-allgather", "emb-sharded", "local-sgd", "diloco",
 )  # fmt: skip
 
 
@@ -45,6 +45,20 @@ def test_the_flags_say_how_each_strategy_runs() -> None:
     assert strategy("ps-sync").synchronised and strategy("dgc").synchronised
     assert [n for n in strategies() if strategy(n).embedding] == ["emb-allgather", "emb-sharded"]
     assert strategy("dga").schedule == "dga" and strategy("ps-async").schedule == "ps-async"
+    for name in ("local-sgd", "diloco"):
+        assert strategy(name).schedule == "local" and not strategy(name).synchronised
+
+
+def test_round_strategies_check_their_settings() -> None:
+    with pytest.raises(ValueError, match="diloco: sync_every must be an integer >= 1"):
+        strategy("diloco").options({"sync_every": 0})
+    with pytest.raises(ValueError, match="local-sgd: overlap must be an integer >= 0 and below"):
+        strategy("local-sgd").options({"sync_every": 4, "overlap": 4})
+    with pytest.raises(ValueError, match="applies momentum itself, which is for gradients"):
+        strategy("diloco").options({"compressor": "dgc"})
+    with pytest.raises(ValueError, match="has no option.*outer_lr"):
+        strategy("local-sgd").options({"outer_lr": 0.5})
+    assert strategy("diloco").options()["outer_momentum"] == 0.9
 
 
 def test_carrying_strategies_check_their_compressor() -> None:

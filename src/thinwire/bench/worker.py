@@ -156,7 +156,9 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     counted_steps = max(1, job.steps - job.measure_from)
     exchanges = counted_steps + in_flight
     shared = 1 if job.interface != "lo" else world_size
-    history = list(engine.history)[measured] if engine is not None else []
+    history = list(engine.history) if engine is not None else []
+    if len(history) >= job.steps:  # one exchange a step: leave out the warm-up's
+        history = history[measured]
     result: dict[str, Any] = {
         "losses": losses,
         "ends_s": ends,

@@ -89,7 +89,7 @@ class DiLoCo:
         outer_lr, outer_momentum, nesterov: the outer SGD's settings.
         fragments: F, parts of the parameters synchronised at different steps of a round.
         overlap: T, inner steps a fragment's exchange runs in the background (< H).
-        communicator, bucket_cap_mb, group, broadcast_parameters: as for
+        communicator, bucket_cap_mb, fuse_rounds, group, broadcast_parameters: as for
             :class:`~thinwire.DistributedOptimizer`.
         **options: compressor options when ``compressor`` is a name.
     """
@@ -108,12 +108,13 @@ class DiLoCo:
         overlap: int = 0,
         communicator: str | Communicator = "auto",
         bucket_cap_mb: float = 25.0,
+        fuse_rounds: bool = True,
         group: dist.ProcessGroup | None = None,
         broadcast_parameters: bool = True,
         **options: Any,
     ) -> None:
         check_first_order(optimizer)
-        _check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap)
+        check_settings(sync_every, outer_lr, outer_momentum, nesterov, fragments, overlap)
         self.optimizer = optimizer
         self.sync_every, self.overlap = int(sync_every), int(overlap)
         self.group = group
@@ -134,6 +135,7 @@ class DiLoCo:
                 compressor,
                 communicator=communicator,
                 bucket_cap_mb=bucket_cap_mb,
+                fuse_rounds=fuse_rounds,
                 group=group,
                 broadcast_parameters=broadcast_parameters,  # rank 0's weights everywhere
                 own_group=overlap > 0,  # background exchanges meet no collective of ours
@@ -450,7 +452,7 @@ def _floating_buffers(
     return [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
 
 
-def _check_settings(
+def check_settings(
     sync_every: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any, fragments: Any, overlap: Any
 ) -> None:
     """Refuse settings that cannot run, saying which and what to use."""

@@ -248,6 +248,8 @@ def step_time(
         return delayed_step_time(compute, cost, link, world_size)
     if cost.schedule in ("ps-sync", "ps-async"):
         return server_step_time(compute, cost, link, world_size)
+    if cost.schedule == "local":
+        return local_step_time(compute, cost, link, world_size)
     forward_end = (
         broadcast_time(cost.broadcast_bytes, world_size, link)
         + compute.forward_s
@@ -300,6 +302,33 @@ def delayed_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_
     return max(cpu, exchange / min(lanes, delay), volume)
 
 
+def local_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_size: int) -> float:
+    """Local SGD and DiLoCo, per inner step: ``sync_every`` (H) steps alone, then each of
+    ``fragments`` (F) parts of the model exchanged once per round (``cost`` is one
+    exchange of the whole model), in the background over ``overlap`` (T) inner steps::
+
+        T = 0:  compute + (compress + F * fragment) / H        (each exchange stops training)
+        T > 0:  max(compute + (compress + F * max(0, fragment - T * compute)) / H,
+                    wire bytes / B / H)
+
+    ``fragment`` is one fragment's exchange: 1/F of the bytes, all of the latency. It
+    hides behind the T inner steps that run while it travels; what does not fit in them
+    waits, once per fragment and round."""
+    rounds = int(cost.options.get("sync_every", 1))  # type: ignore[call-overload]
+    parts = int(cost.options.get("fragments", 1))  # type: ignore[call-overload]
+    overlap = int(cost.options.get("overlap", 0))  # type: ignore[call-overload]
+    fragment = sum(  # one fragment's exchange: its share of the bytes, every latency
+        collective_time(c.kind, c.nbytes / parts, world_size, link)
+        for bucket in cost.buckets
+        for c in bucket.collectives
+    )
+    if overlap == 0:
+        return compute.total + (cost.compress_s + parts * fragment) / rounds
+    exposed = parts * max(0.0, fragment - overlap * compute.total)
+    volume = cost.sent_bytes(world_size) * link.seconds_per_byte()
+    return max(compute.total + (cost.compress_s + exposed) / rounds, volume / rounds)
+
+
 def server_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_size: int) -> float:
     """A parameter server with ``servers`` shards on worker ranks (colocated). A worker
     pushes its payload (``push`` bytes, all shards together) and pulls the fp32
@@ -339,6 +368,8 @@ def predict_step(
     """Predict one step of ``cost.method``: its time and how it splits (see the module
     docstring for the overlap assumption)."""
     step = step_time(compute, cost, link, world_size, overlap=overlap)
+    # local SGD and DiLoCo exchange once per round of H steps: per step, 1/H of it
+    per = int(cost.options.get("sync_every", 1)) if cost.schedule == "local" else 1  # type: ignore[call-overload]
     return StepPrediction(
         method=cost.method,
         world_size=world_size,
@@ -346,13 +377,13 @@ def predict_step(
         latency_s=link.latency_s,
         step_s=step,
         compute_s=compute.total,
-        compress_s=cost.compress_s,
-        comm_s=cost.comm_time(world_size, link),
-        exposed_comm_s=max(0.0, step - compute.total - cost.compress_s),
-        payload_bytes=cost.payload_bytes,
-        sent_bytes=cost.sent_bytes(world_size),
+        compress_s=cost.compress_s / per,
+        comm_s=cost.comm_time(world_size, link) / per,
+        exposed_comm_s=max(0.0, step - compute.total - cost.compress_s / per),
+        payload_bytes=round(cost.payload_bytes / per),
+        sent_bytes=cost.sent_bytes(world_size) / per,
         collectives=cost.collectives,
-        compression_ratio=cost.compression_ratio,
+        compression_ratio=cost.compression_ratio * per,
     )
 
 

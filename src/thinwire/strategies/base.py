@@ -36,7 +36,7 @@ COSTINGS = (
     "embedding",  # the tables' lookups and rows, the rest as the inner strategy
 )
 #: how the step-time model schedules a strategy's exchange (:attr:`Strategy.schedule`)
-SCHEDULES = ("ddp", "dga", "ps-sync", "ps-async")
+SCHEDULES = ("ddp", "dga", "ps-sync", "ps-async", "local")
 
 
 @dataclass
