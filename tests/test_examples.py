@@ -42,12 +42,23 @@ def _readme_blocks() -> list[str]:
         ("quickstart_ddp.py", "import torch"),
         ("quickstart_hybrid.py", "import torch"),
         ("quickstart_auto.py", "import logging"),
+        ("quickstart_diloco.py", "import torch"),
     ],
 )
 def test_the_readme_shows_the_quick_start_files_as_they_are(example, first_line) -> None:
     text = (EXAMPLES / example).read_text()
     code = text[text.index(first_line) :]
     assert code in _readme_blocks()
+
+
+def test_the_diloco_quick_start_runs_under_torchrun(tmp_path) -> None:
+    done = _torchrun(EXAMPLES / "quickstart_diloco.py", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    fewer = [float(r) for r in re.findall(r"\((\d+)x fewer than averaging", done.stdout)]
+    assert len(fewer) == 2 and all(r > 20 for r in fewer), done.stdout
+    accuracy = float(re.search(r"held-out accuracy ([\d.]+) after 100 inner", done.stdout)[1])
+    assert accuracy > 0.9, done.stdout
+    assert (tmp_path / "diloco-ckpt.pt").exists()
 
 
 def test_the_ddp_quick_start_runs_under_torchrun(tmp_path) -> None:
