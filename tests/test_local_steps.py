@@ -357,3 +357,79 @@ def test_fragments_are_contiguous_and_about_equal() -> None:
     assert sizes == [12, 40]  # the cut before the large parameter
     with pytest.raises(ValueError, match="at most that many fragments"):
         split_evenly(params, 7)
+
+
+# -- as the dp_method of a hybrid plan -------------------------------------------------------
+
+
+def _hybrid(rank: int, world: int, method: str, options: dict, directory: str) -> dict:
+    """A 2 x 1 x 2 GPT (dp x pp x tp) under ``method``: 4 steps straight; 2 steps, a
+    checkpoint, a new trainer resumed from it and 2 more; a save in the middle of a round."""
+    from test_parallel_parity import batches, build_model, make_optimizer
+    from thinwire.parallel import ParallelPlan, parallelize
+
+    plan = ParallelPlan(dp=2, pp=1, tp=2, microbatches=1, dp_method=method, dp_options=options)
+
+    def trainer():
+        return parallelize(build_model("gpt", 4), plan, optimizer=make_optimizer("sgd"))
+
+    def whole(t) -> dict:
+        return {k: v.numpy().copy() for k, v in t.full_state_dict().items()}
+
+    straight = trainer()
+    losses = [straight.step(b[:, :-1], b[:, 1:]) for b in batches()[:4]]
+    expected = whole(straight)
+    straight.close()
+
+    first = trainer()
+    for b in batches()[:2]:
+        first.step(b[:, :-1], b[:, 1:])
+    first.save(directory)
+    first.step(batches()[2][:, :-1], batches()[2][:, 1:])
+    refused = ""
+    if options.get("sync_every", 100) > 1:
+        try:
+            first.save(directory + "-mid")
+        except RuntimeError as error:
+            refused = str(error)
+    first.close()
+
+    resumed = trainer()
+    resumed.load(directory)
+    for b in batches()[2:4]:
+        resumed.step(b[:, :-1], b[:, 1:])
+    again = whole(resumed)
+    resumed.close()
+    return {"losses": losses, "expected": expected, "resumed": again, "refused": refused}
+
+
+def test_local_sgd_every_step_in_a_hybrid_plan_is_synchronous_sgd(pool4, tmp_path) -> None:
+    from test_parallel_parity import batches, build_model, logits_of, make_optimizer
+    from thinwire.parallel.loss import token_cross_entropy
+
+    results = pool4.run(_hybrid, "local-sgd", {"sync_every": 1}, str(tmp_path / "ckpt"))
+    model = build_model("gpt", 4)  # one process, SGD on the whole batches
+    opt = make_optimizer("sgd")(model.parameters())
+    losses = []
+    for b in batches()[:4]:
+        opt.zero_grad()
+        loss = token_cross_entropy(logits_of(model(b[:, :-1])), b[:, 1:])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for result in results:
+        np.testing.assert_allclose(result["losses"], losses, rtol=1e-4)
+        for name, value in model.state_dict().items():
+            np.testing.assert_allclose(
+                result["expected"][name], value.numpy(), rtol=1e-4, atol=1e-6, err_msg=name
+            )
+            assert np.array_equal(result["resumed"][name], result["expected"][name]), name
+
+
+def test_diloco_in_a_hybrid_plan_resumes_bit_for_bit(pool4, tmp_path) -> None:
+    options = {"sync_every": 2, "compressor": "topk", "compressor_options": {"density": 0.3}}
+    results = pool4.run(_hybrid, "diloco", options, str(tmp_path / "ckpt"))
+    for result in results:
+        for name, value in result["expected"].items():
+            assert np.array_equal(result["resumed"][name], value), name
+        assert "taken when a round has ended" in result["refused"]

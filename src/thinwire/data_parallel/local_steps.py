@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from thinwire.comm.agreement import digest, value_ranges
 from thinwire.comm.collectives import Communicator, run_collective
@@ -301,23 +302,26 @@ class DiLoCo:
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, with_inner: bool = True) -> dict[str, Any]:
         """The inner optimizer's state (this rank's), the global weights, each outer
         optimizer's state, thinwire's (residuals), the step, and the exchanges under way
         (waited for: their averages are stored, so a resume applies them at the same
         step). Collective while exchanges are under way. The model's own weights are this
-        rank's: save them per rank, or after :meth:`flush` or at the end of a round."""
+        rank's: save them per rank, or after :meth:`flush` or at the end of a round.
+        ``with_inner=False`` leaves the inner optimizer's state out (for a checkpoint that
+        holds it already, as :class:`thinwire.ParallelTrainer`'s does). Tensors sharded
+        over a mesh (``DTensor``) are saved as this rank's shard."""
         for in_flight in self._in_flight:
             if in_flight.started is not None:
                 self.fragments[in_flight.fragment].exchange.finish_synchronize(in_flight.started)
                 in_flight.started = None
         return {
             "settings": self._settings(),
-            "inner": self.optimizer.state_dict(),
+            "inner": self.optimizer.state_dict() if with_inner else None,
             "inner_steps": self.inner_steps,
             "fragments": [
                 {
-                    "anchors": [a.detach().clone() for a in f.anchors],
+                    "anchors": [_local(a.detach()).clone() for a in f.anchors],
                     "outer": f.outer.state_dict(),
                     "thinwire": f.exchange.engine.state_dict(),
                     "since_sync": f.since_sync,
@@ -328,16 +332,18 @@ class DiLoCo:
                 {
                     "fragment": x.fragment,
                     "due": x.due,
-                    "sent": [s.clone() for s in x.sent],
-                    "averages": [a.grad.clone() for a in self.fragments[x.fragment].anchors],
+                    "sent": [_local(s).clone() for s in x.sent],
+                    "averages": [
+                        _local(a.grad).clone() for a in self.fragments[x.fragment].anchors
+                    ],
                 }
                 for x in self._in_flight
             ],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; a state of other settings or other
-        parameters is refused before anything changes."""
+    def load_state_dict(self, state: dict[str, Any], with_inner: bool = True) -> None:
+        """Restore what :meth:`state_dict` returned (``with_inner`` as it was saved); a
+        state of other settings or other parameters is refused before anything changes."""
         expected = {"settings", "inner", "inner_steps", "fragments", "in_flight"}
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -350,7 +356,7 @@ class DiLoCo:
                 f"{self._settings()}: build it with the saved settings to resume"
             )
         for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
-            shapes = [tuple(a.shape) for a in fragment.anchors]
+            shapes = [tuple(_local(a).shape) for a in fragment.anchors]
             if [tuple(a.shape) for a in saved["anchors"]] != shapes:
                 raise ValueError(
                     "this DiLoCo state holds global weights of other shapes than this model's "
@@ -359,22 +365,27 @@ class DiLoCo:
             fragment.exchange.engine.check_state(saved["thinwire"])
         if self._in_flight:
             raise RuntimeError("load a DiLoCo state before training, not with exchanges under way")
-        self.optimizer.load_state_dict(state["inner"])
+        if with_inner:
+            self.optimizer.load_state_dict(state["inner"])
         self.inner_steps = int(state["inner_steps"])
         with torch.no_grad():
             for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
                 for a, s in zip(fragment.anchors, saved["anchors"], strict=True):
-                    a.copy_(s)
+                    _local(a).copy_(s)
                 fragment.outer.load_state_dict(saved["outer"])
                 fragment.exchange.engine.load_state_dict(saved["thinwire"])
                 fragment.since_sync = int(saved["since_sync"])
         for saved in state["in_flight"]:
-            anchors = self.fragments[saved["fragment"]].anchors
-            for a, average in zip(anchors, saved["averages"], strict=True):
-                a.grad = average.clone()
-            self._in_flight.append(
-                InFlight(saved["fragment"], saved["due"], [s.clone() for s in saved["sent"]], None)
-            )
+            fragment = self.fragments[saved["fragment"]]
+            sent = []
+            for a, (_, p), average, s in zip(
+                fragment.anchors, fragment.params, saved["averages"], saved["sent"], strict=True
+            ):
+                a.grad = torch.zeros_like(a)
+                _local(a.grad).copy_(average)
+                sent.append(torch.zeros_like(p.detach()))
+                _local(sent[-1]).copy_(s)
+            self._in_flight.append(InFlight(saved["fragment"], saved["due"], sent, None))
 
     def _settings(self) -> dict[str, int]:
         """What a checkpoint must agree on to resume."""
@@ -441,6 +452,11 @@ def split_evenly(
         runs[index].append((name, p))
         seen += p.numel()
     return runs
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor``, or ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _floating_buffers(

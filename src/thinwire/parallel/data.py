@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from thinwire.data_parallel.local_steps import DiLoCo
 from thinwire.data_parallel.optimizer import DistributedOptimizer
-from thinwire.parallel.plan import DENSE, ParallelPlan
+from thinwire.parallel.plan import DENSE, ROUNDS, ParallelPlan
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -60,14 +61,17 @@ def apply_data_parallel(
     mesh: DeviceMesh,
     plan: ParallelPlan,
     **engine_options: Any,
-) -> torch.optim.Optimizer | DistributedOptimizer:
+) -> torch.optim.Optimizer | DistributedOptimizer | DiLoCo:
     """The optimizer to step: ``optimizer`` itself when ``dp == 1``, else a
     :class:`~thinwire.DistributedOptimizer` averaging the gradients over ``mesh`` (the
-    ``"dp"`` dimension) with ``plan.dp_method``. The copies start equal (every rank builds
-    the model from the same seed; :func:`thinwire.parallelize` checks), so nothing is
-    broadcast."""
+    ``"dp"`` dimension) with ``plan.dp_method``, or for ``"diloco"`` and ``"local-sgd"``
+    a :class:`~thinwire.DiLoCo` with ``optimizer`` as its inner optimizer. The copies
+    start equal (every rank builds the model from the same seed;
+    :func:`thinwire.parallelize` checks), so nothing is broadcast."""
     if plan.dp == 1:
         return optimizer
+    if plan.dp_method in ROUNDS:
+        return _rounds(named_parameters, optimizer, mesh, plan, **engine_options)
     method = "none" if plan.dp_method == DENSE else plan.dp_method
     return DistributedOptimizer(
         optimizer,
@@ -77,4 +81,31 @@ def apply_data_parallel(
         broadcast_parameters=False,
         **engine_options,
         **plan.dp_options,
+    )
+
+
+def _rounds(
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    plan: ParallelPlan,
+    **engine_options: Any,
+) -> DiLoCo:
+    """DiLoCo (or local SGD) over the ``"dp"`` groups, ``optimizer`` its inner optimizer."""
+    from thinwire.strategies import strategy
+
+    chosen = strategy(plan.dp_method)
+    options = chosen.options(plan.dp_options)
+    return DiLoCo(
+        optimizer,
+        list(named_parameters),
+        options["compressor"],
+        sync_every=options["sync_every"],
+        fragments=options["fragments"],
+        overlap=options["overlap"],
+        **chosen.outer(options),
+        group=mesh.get_group(),
+        broadcast_parameters=False,
+        **engine_options,
+        **options["compressor_options"],
     )

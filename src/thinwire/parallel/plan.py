@@ -26,6 +26,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "shifted-1f1b")
 CHUNKS_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "shifted-1f1b": 1}
 #: the data-parallel method that sends gradients as they are
 DENSE = "dense"
+#: the data-parallel methods that exchange once per round of inner steps (their options:
+#: ``thinwire strategies``; the pseudo-gradients' compressor is an option of theirs)
+ROUNDS = ("diloco", "local-sgd")
 
 
 def _check_degree(name: str, value: Any) -> None:
@@ -70,9 +73,12 @@ class ParallelPlan:
     ``tp > 1`` and micro-batches whose size it divides."""
     dp_method: str = DENSE
     """How the ``"dp"`` groups exchange gradients: ``"dense"`` (an all-reduce of every
-    gradient) or any thinwire compressor's name (``thinwire compressors``)."""
+    gradient), any thinwire compressor's name (``thinwire compressors``), or
+    ``"diloco"`` / ``"local-sgd"``: each dp replica takes ``sync_every`` steps alone, then
+    the replicas exchange pseudo-gradients (:class:`thinwire.DiLoCo`)."""
     dp_options: Mapping[str, Any] = field(default_factory=dict)
-    """The compressor's options (``{"rank": 4}`` for PowerSGD, ...)."""
+    """The compressor's options (``{"rank": 4}`` for PowerSGD, ...), or DiLoCo's
+    (``{"sync_every": 50, "compressor": "fp16"}``)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches", "subbatches"):
@@ -130,7 +136,11 @@ class ParallelPlan:
         if not isinstance(self.dp_method, str):
             raise TypeError(f"dp_method must be a name, got {type(self.dp_method).__name__}")
         object.__setattr__(self, "dp_options", dict(self.dp_options))
-        if self.dp_method != DENSE:
+        if self.dp_method in ROUNDS:
+            from thinwire.strategies import strategy
+
+            strategy(self.dp_method).options(self.dp_options)  # names the bad option
+        elif self.dp_method != DENSE:
             build_compressor(self.dp_method, **self.dp_options)  # names the bad option
         elif self.dp_options:
             raise ValueError(

@@ -29,6 +29,7 @@ from thinwire.comm.collectives import (
     is_transport_failure,
     run_collective,
 )
+from thinwire.data_parallel.local_steps import DiLoCo
 from thinwire.errors import CommunicationError, RankMismatchError
 from thinwire.parallel.checkpoint import collect_state, load_checkpoint, save_checkpoint
 from thinwire.parallel.loss import LossFn
@@ -171,8 +172,27 @@ class ParallelTrainer:
         optimizer state keyed by the model's names (``DTensor`` shards under tensor
         parallelism), the step count, the plan, thinwire's exchange state."""
         return collect_state(
-            self.named_parameters(), self.local_optimizer, self.engine, self.plan, self.steps
+            self.named_parameters(),
+            self.local_optimizer,
+            self._exchange_state(),
+            self.plan,
+            self.steps,
         )
+
+    def _exchange_state(self) -> Any:
+        """What holds the data-parallel exchange's state: DiLoCo's rounds (the global
+        weights, the outer momentum, the residuals), else the engine. A DiLoCo round must
+        have ended: until then the dp replicas' weights differ, and a checkpoint keeps one."""
+        if isinstance(self.optimizer, DiLoCo):
+            if not self.optimizer.synced:
+                raise RuntimeError(
+                    f"a checkpoint of a {self.plan.dp_method} plan is taken when a round has "
+                    f"ended (every sync_every={self.optimizer.sync_every} steps; "
+                    f"{self.optimizer.inner_steps} taken), when every dp replica holds the "
+                    "same weights: save then, or call trainer.optimizer.flush() first"
+                )
+            return RoundsState(self.optimizer)
+        return self.engine
 
     def save(self, path: str | Path) -> None:
         """Write a checkpoint to the directory ``path`` that any plan can resume from.
@@ -183,15 +203,37 @@ class ParallelTrainer:
         """Resume from the checkpoint at ``path``, written under this plan or another (the
         weights and optimizer state are resharded). Collective: every rank calls it."""
         self.steps = load_checkpoint(
-            path, self.named_parameters(), self.local_optimizer, self.engine, self.plan
+            path,
+            self.named_parameters(),
+            self.local_optimizer,
+            RoundsState(self.optimizer) if isinstance(self.optimizer, DiLoCo) else self.engine,
+            self.plan,
         )
 
     def close(self) -> None:
         """Stop the exchange thread (the trainer is unusable afterwards). The mesh's
         groups stay until ``dist.destroy_process_group()``: DTensor caches layouts by the
         mesh's shape, so a later mesh of the same shape may still name this one's groups."""
-        if self.engine is not None:
+        if isinstance(self.optimizer, DiLoCo):
+            self.optimizer.close()
+        elif self.engine is not None:
             self.engine.close()
+
+
+class RoundsState:
+    """DiLoCo's state as a trainer's checkpoint holds it: without the inner optimizer's,
+    which the checkpoint keeps resharded by name."""
+
+    def __init__(self, rounds: DiLoCo) -> None:
+        self.rounds = rounds
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rounds' state less the inner optimizer's."""
+        return self.rounds.state_dict(with_inner=False)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.rounds.load_state_dict(state, with_inner=False)
 
 
 def check_same_batch(inputs: Tensor, targets: Tensor) -> None:

@@ -314,6 +314,17 @@ def local_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_si
     ``fragment`` is one fragment's exchange: 1/F of the bytes, all of the latency. It
     hides behind the T inner steps that run while it travels; what does not fit in them
     waits, once per fragment and round."""
+    exposed = round_exchange_s(cost, link, world_size, compute.total)
+    rounds = int(cost.options.get("sync_every", 1))  # type: ignore[call-overload]
+    volume = cost.sent_bytes(world_size) * link.seconds_per_byte() / rounds
+    overlap = int(cost.options.get("overlap", 0))  # type: ignore[call-overload]
+    return max(compute.total + exposed, volume if overlap else 0.0)
+
+
+def round_exchange_s(cost: MethodCost, link: Link, world_size: int, step_s: float) -> float:
+    """The seconds per inner step that the rounds of ``cost`` (schedule ``"local"``) add
+    to steps of ``step_s`` (see :func:`local_step_time`): compression and the part of each
+    fragment's exchange that its ``overlap`` steps do not hide, over ``sync_every`` steps."""
     rounds = int(cost.options.get("sync_every", 1))  # type: ignore[call-overload]
     parts = int(cost.options.get("fragments", 1))  # type: ignore[call-overload]
     overlap = int(cost.options.get("overlap", 0))  # type: ignore[call-overload]
@@ -322,11 +333,7 @@ def local_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_si
         for bucket in cost.buckets
         for c in bucket.collectives
     )
-    if overlap == 0:
-        return compute.total + (cost.compress_s + parts * fragment) / rounds
-    exposed = parts * max(0.0, fragment - overlap * compute.total)
-    volume = cost.sent_bytes(world_size) * link.seconds_per_byte()
-    return max(compute.total + (cost.compress_s + exposed) / rounds, volume / rounds)
+    return (cost.compress_s + parts * max(0.0, fragment - overlap * step_s)) / rounds
 
 
 def server_step_time(compute: ComputeTime, cost: MethodCost, link: Link, world_size: int) -> float:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
-from thinwire.plan.cost import MethodCost
+from thinwire.plan.cost import MethodCost, round_exchange_s
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
 from thinwire.plan.plan_traffic import rank_at
 from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
@@ -390,7 +390,10 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         seconds = 0.0
         if stage.dp_cost is not None and degrees.dp > 1:
             link, size = links.dp_link(index)
-            seconds = stage.dp_cost.comm_time(size, link) + stage.dp_cost.compress_s * slowdown
+            if stage.dp_cost.schedule == "local":  # DiLoCo, local SGD: once per round
+                seconds = round_exchange_s(stage.dp_cost, link, size, pipeline.step_s)
+            else:
+                seconds = stage.dp_cost.comm_time(size, link) + stage.dp_cost.compress_s * slowdown
         exchange.append(seconds)
         optimizer.append(stage.optimizer_s * slowdown)
     ends = [pipeline.stage_end_s[i] + exchange[i] + optimizer[i] for i in range(degrees.pp)]
