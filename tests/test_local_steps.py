@@ -433,3 +433,15 @@ def test_diloco_in_a_hybrid_plan_resumes_bit_for_bit(pool4, tmp_path) -> None:
         for name, value in result["expected"].items():
             assert np.array_equal(result["resumed"][name], value), name
         assert "taken when a round has ended" in result["refused"]
+
+
+def test_a_hybrid_plan_checks_diloco_options() -> None:
+    from thinwire.parallel import ParallelPlan
+
+    ParallelPlan(dp=2, dp_method="diloco", dp_options={"sync_every": 50, "compressor": "fp16"})
+    with pytest.raises(ValueError, match="diloco: sync_every must be an integer >= 1"):
+        ParallelPlan(dp=2, dp_method="diloco", dp_options={"sync_every": 0})
+    with pytest.raises(ValueError, match="method 'local-sgd' has no option.*outer_lr"):
+        ParallelPlan(dp=2, dp_method="local-sgd", dp_options={"outer_lr": 0.5})
+    with pytest.raises(ValueError, match="applies momentum itself"):
+        ParallelPlan(dp=2, dp_method="diloco", dp_options={"compressor": "dgc"})

@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="local,dense,ddp-fp16,ddp-powersgd,fp16,dgc,powersgd,onebit,terngrad",
         help=(
             "comma-separated: local, dense, ddp-fp16, ddp-powersgd, dga, ps-sync, ps-async, "
-            "emb-allgather, emb-sharded (tasks with embeddings: packages), or thinwire "
-            "compressors"
+            "local-sgd, diloco, emb-allgather, emb-sharded (tasks with embeddings: "
+            "packages), or thinwire compressors (thinwire strategies lists them all)"
         ),
     )
     parser.add_argument("--options", default="", help="JSON per method: '{\"dgc\": {...}}'")

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from thinwire.data_parallel.local_methods import ROUND_METHODS, build_rounds
 from thinwire.data_parallel.local_steps import DiLoCo
 from thinwire.data_parallel.optimizer import DistributedOptimizer
-from thinwire.parallel.plan import DENSE, ROUNDS, ParallelPlan
+from thinwire.parallel.plan import DENSE, ParallelPlan
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -70,8 +71,16 @@ def apply_data_parallel(
     :func:`thinwire.parallelize` checks), so nothing is broadcast."""
     if plan.dp == 1:
         return optimizer
-    if plan.dp_method in ROUNDS:
-        return _rounds(named_parameters, optimizer, mesh, plan, **engine_options)
+    if plan.dp_method in ROUND_METHODS:
+        return build_rounds(
+            plan.dp_method,
+            optimizer,
+            list(named_parameters),
+            plan.dp_options,
+            group=mesh.get_group(),
+            broadcast_parameters=False,
+            **engine_options,
+        )
     method = "none" if plan.dp_method == DENSE else plan.dp_method
     return DistributedOptimizer(
         optimizer,
@@ -81,31 +90,4 @@ def apply_data_parallel(
         broadcast_parameters=False,
         **engine_options,
         **plan.dp_options,
-    )
-
-
-def _rounds(
-    named_parameters: Iterable[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    mesh: DeviceMesh,
-    plan: ParallelPlan,
-    **engine_options: Any,
-) -> DiLoCo:
-    """DiLoCo (or local SGD) over the ``"dp"`` groups, ``optimizer`` its inner optimizer."""
-    from thinwire.strategies import strategy
-
-    chosen = strategy(plan.dp_method)
-    options = chosen.options(plan.dp_options)
-    return DiLoCo(
-        optimizer,
-        list(named_parameters),
-        options["compressor"],
-        sync_every=options["sync_every"],
-        fragments=options["fragments"],
-        overlap=options["overlap"],
-        **chosen.outer(options),
-        group=mesh.get_group(),
-        broadcast_parameters=False,
-        **engine_options,
-        **options["compressor_options"],
     )

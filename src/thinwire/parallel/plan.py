@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from thinwire.compress.registry import compressor as build_compressor
+from thinwire.data_parallel.local_methods import ROUND_METHODS, method_options
 from thinwire.parallel.recompute import check_ratios
 
 #: pipeline schedules, by the name a plan gives them (torch.distributed.pipelining's)
@@ -26,9 +27,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "shifted-1f1b")
 CHUNKS_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "shifted-1f1b": 1}
 #: the data-parallel method that sends gradients as they are
 DENSE = "dense"
-#: the data-parallel methods that exchange once per round of inner steps (their options:
-#: ``thinwire strategies``; the pseudo-gradients' compressor is an option of theirs)
-ROUNDS = ("diloco", "local-sgd")
 
 
 def _check_degree(name: str, value: Any) -> None:
@@ -136,10 +134,8 @@ class ParallelPlan:
         if not isinstance(self.dp_method, str):
             raise TypeError(f"dp_method must be a name, got {type(self.dp_method).__name__}")
         object.__setattr__(self, "dp_options", dict(self.dp_options))
-        if self.dp_method in ROUNDS:
-            from thinwire.strategies import strategy
-
-            strategy(self.dp_method).options(self.dp_options)  # names the bad option
+        if self.dp_method in ROUND_METHODS:
+            method_options(self.dp_method, self.dp_options)  # names the bad option
         elif self.dp_method != DENSE:
             build_compressor(self.dp_method, **self.dp_options)  # names the bad option
         elif self.dp_options:
