@@ -676,3 +676,4 @@ def test_unsynchronised_methods_are_timed_by_the_wall_clock() -> None:
     assert throughput_step_s({"method": "ps-sync", **timings}) == 1.0
     assert throughput_step_s({"method": "dga", **timings}) == 0.9
     assert throughput_step_s({"method": "ps-async", **timings}) == 0.9
+

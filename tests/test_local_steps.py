@@ -441,7 +441,7 @@ def test_a_hybrid_plan_checks_diloco_options() -> None:
     ParallelPlan(dp=2, dp_method="diloco", dp_options={"sync_every": 50, "compressor": "fp16"})
     with pytest.raises(ValueError, match="diloco: sync_every must be an integer >= 1"):
         ParallelPlan(dp=2, dp_method="diloco", dp_options={"sync_every": 0})
-    with pytest.raises(ValueError, match="method 'local-sgd' has no option.*outer_lr"):
+    with pytest.raises(ValueError, match=r"method 'local-sgd' has no option.*outer_lr"):
         ParallelPlan(dp=2, dp_method="local-sgd", dp_options={"outer_lr": 0.5})
     with pytest.raises(ValueError, match="applies momentum itself"):
         ParallelPlan(dp=2, dp_method="diloco", dp_options={"compressor": "dgc"})

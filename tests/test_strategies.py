@@ -56,7 +56,7 @@ def test_round_strategies_check_their_settings() -> None:
         strategy("local-sgd").options({"sync_every": 4, "overlap": 4})
     with pytest.raises(ValueError, match="applies momentum itself, which is for gradients"):
         strategy("diloco").options({"compressor": "dgc"})
-    with pytest.raises(ValueError, match="has no option.*outer_lr"):
+    with pytest.raises(ValueError, match=r"has no option.*outer_lr"):
         strategy("local-sgd").options({"outer_lr": 0.5})
     assert strategy("diloco").options()["outer_momentum"] == 0.9
 

@@ -1,0 +1,44 @@
+"""The analysis scripts of ``bench/`` on made-up results whose answers are known."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_time_to_quality_lays_each_curve_on_its_step_time(tmp_path: Path) -> None:
+    script = BENCH / "time_to_quality.py"
+    steps = np.arange(1, 401)
+    quality = [  # dense falls to 1.0; diloco lags by 100 steps; dgc stops at 1.2
+        {"method": "dense", "loss_history": np.maximum(1.0, 3.0 - steps / 100).tolist()},
+        {"method": "diloco", "loss_history": np.maximum(1.0, 3.0 - (steps - 100) / 100).tolist()},
+        {"method": "dgc", "loss_history": np.maximum(1.2, 3.0 - steps / 100).tolist()},
+    ]
+    timing = [  # diloco's ranks meet once a round: its wall-clock time per step counts
+        {"method": "dense", "step_s_median": 2.0, "wall_step_s": 2.5},
+        {"method": "diloco", "step_s_median": 0.1, "wall_step_s": 0.5},
+        {"method": "dgc", "step_s_median": 0.4, "wall_step_s": 0.4},
+    ]
+    (tmp_path / "q.json").write_text(json.dumps(quality))
+    (tmp_path / "t.json").write_text(json.dumps(timing))
+    command = [
+        sys.executable, str(script), "--quality", str(tmp_path / "q.json"),
+        "--timing", f"slow={tmp_path / 't.json'}", "--window", "1", "--tolerance", "0.0",
+        "--out", str(tmp_path / "ttq"),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = {r["label"]: r for r in json.loads((tmp_path / "ttq.json").read_text())["rows"]}
+    assert rows["dense"]["steps_to_target"] == 200
+    assert rows["diloco"]["steps_to_target"] == 300
+    assert rows["dgc"]["steps_to_target"] is None  # never reaches dense's final loss
+    assert rows["dense"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(400.0)
+    assert rows["diloco"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(150.0)
+    assert (tmp_path / "ttq.png").exists()
