@@ -127,11 +127,13 @@ def reference(
     return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def train_parallel(rank: int, world: int, kind: str, plan: ParallelPlan, optimizer: str):
+def train_parallel(
+    rank: int, world: int, kind: str, plan: ParallelPlan, optimizer: str, steps: int = STEPS
+):
     """On every rank: 5 steps under ``plan``; the losses, and rank 0's full weights."""
     model = build_model(kind, blocks_for(plan.pp))
     trainer = parallelize(model, plan, optimizer=make_optimizer(optimizer))
-    losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()]
+    losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()[:steps]]
     full = trainer.full_state_dict()
     trainer.close()
     weights = {k: v.numpy().copy() for k, v in full.items()} if rank == 0 else None
@@ -221,14 +223,14 @@ def test_a_run_saved_under_one_plan_resumes_under_another(pool8, tmp_path) -> No
     np.testing.assert_allclose(rest, reference("llama", 4)[0][3:], rtol=1e-4)
 
 
-def train_with_dropout(rank: int, world: int, plan: ParallelPlan):
+def train_with_dropout(rank: int, world: int, plan: ParallelPlan, steps: int = STEPS):
     """On every rank: 5 AdamW steps of a GPT with dropout under ``plan`` (seeded alike);
     the losses and rank 0's full weights."""
     torch.manual_seed(0)
     config = TransformerConfig(vocab=VOCAB, dim=32, layers=4, heads=4, max_seq=SEQ, dropout=0.2)
     trainer = parallelize(TransformerLM(config), plan, optimizer=make_optimizer("adamw"))
     torch.manual_seed(1 + rank // plan.tp)  # tensor-parallel ranks draw the same masks
-    losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()]
+    losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()[:steps]]
     full = trainer.full_state_dict()
     trainer.close()
     return losses, {k: v.numpy().copy() for k, v in full.items()} if rank == 0 else None
@@ -255,11 +257,11 @@ def test_sub_batches_change_neither_losses_nor_weights(pool8) -> None:
     Hugging Face's Llama. SGD, weights rtol 1e-5 with atol 1e-7: the sub-batches'
     gradients are summed in another order, rounding differently (under AdamW a weight
     whose true gradient is about zero would step on that rounding alone: see above)."""
-    for kind in ("llama", "hf-llama"):
+    for kind in ("llama", "hf-llama"):  # 3 steps: the third starts from weights both moved
         plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=2)
-        expected = pool8.run(train_parallel, kind, plain, "sgd", timeout=300)
+        expected = pool8.run(train_parallel, kind, plain, "sgd", 3, timeout=300)
         split = replace(plain, subbatches=2)
-        results = pool8.run(train_parallel, kind, split, "sgd", timeout=300)
+        results = pool8.run(train_parallel, kind, split, "sgd", 3, timeout=300)
         for (losses, _), (want, _) in zip(results, expected, strict=True):
             np.testing.assert_allclose(losses, want, rtol=1e-5)
         for name, value in expected[0][1].items():
@@ -270,11 +272,12 @@ def test_sub_batches_change_neither_losses_nor_weights(pool8) -> None:
 
 def test_recomputation_in_sub_batches_replays_their_dropout(pool8) -> None:
     """A GPT with dropout in 2 sub-batches: recomputing (shifted 1F1B, ahead of the
-    backward on stage 0, inside it on the last) changes neither losses nor weights."""
+    backward on stage 0, inside it on the last) changes neither losses nor weights, over
+    2 steps (the second from weights the first moved: the slowest test of the suite)."""
     plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4, subbatches=2)
-    expected = pool8.run(train_with_dropout, plain, timeout=300)
+    expected = pool8.run(train_with_dropout, plain, 2, timeout=300)
     plan = replace(plain, schedule="shifted-1f1b", recompute=(1.0, 0.5))
-    results = pool8.run(train_with_dropout, plan, timeout=300)
+    results = pool8.run(train_with_dropout, plan, 2, timeout=300)
     for (losses, _), (want, _) in zip(results, expected, strict=True):
         np.testing.assert_allclose(losses, want, rtol=1e-5)
     for name, value in expected[0][1].items():
