@@ -13,7 +13,9 @@ target is ``--baseline``'s (dense's) final averaged loss, loosened by ``--tolera
 perplexity (``log(1 + tolerance)`` nats). Time to it: the first step whose average is at
 or below it, times the method's time per step on each timed cluster (the median step of
 a synchronous method, wall-clock time per step of one whose ranks wait for each other
-only now and then: ``thinwire.bench.ratios.throughput_step_s``). Methods pair up by
+only now and then: ``thinwire.bench.ratios.throughput_step_s``); with ``--compute-s``,
+that compute plus what the method's step took beyond its own run's ``local`` (runs whose
+measured compute differs then compare on the same compute). Methods pair up by
 name; ``--label`` gives a quality file's records another (``diloco=diloco-h100``).
 Writes ``OUT.json`` and ``OUT.png`` (quality against wall-clock time per cluster).
 """
@@ -63,8 +65,12 @@ def analyse(
     baseline: str,
     tolerance: float,
     window: int,
+    compute_s: float | None = None,
 ) -> dict[str, Any]:
-    """Steps and seconds to the target for every quality record on every timed cluster."""
+    """Steps and seconds to the target for every quality record on every timed cluster
+    (with ``compute_s``: each method's time per step is that compute plus what its step
+    took beyond its own run's ``local``, so that runs whose measured compute differed
+    compare on the same compute)."""
     by_name = {r["label"]: r for r in quality}
     if baseline not in by_name:
         raise SystemExit(f"no quality record named {baseline!r}: have {sorted(by_name)}")
@@ -90,16 +96,24 @@ def analyse(
             timed = timed or next((r for r in records if r["method"] == record["method"]), None)
             if timed is None:
                 continue
-            step_s = throughput_step_s(timed)
+            measured_s = throughput_step_s(timed)
+            local = next((r for r in records if r["method"] == "local"), None)
+            local_s = throughput_step_s(local) if local is not None else None
+            if compute_s is not None and local_s is not None:  # the same compute for all
+                step_s = compute_s + max(0.0, measured_s - local_s)
+            else:
+                step_s = measured_s
             row["clusters"][cluster] = {
                 "step_s": step_s,
+                "measured_step_s": measured_s,
+                "own_run_local_s": local_s,
                 "timed_options": timed.get("options", {}),
                 "seconds_to_target": steps * step_s if steps else None,
                 "seconds_for_run": len(curve) * step_s,
             }
         rows.append(row)
     return {"target_loss": target, "baseline": baseline, "tolerance": tolerance,
-            "window": window, "rows": rows}  # fmt: skip
+            "window": window, "compute_s": compute_s, "rows": rows}  # fmt: skip
 
 
 def plot(result: dict[str, Any], quality: list[dict[str, Any]], window: int, out: Path) -> None:
@@ -141,6 +155,12 @@ def main() -> None:
     parser.add_argument("--baseline", default="dense")
     parser.add_argument("--tolerance", type=float, default=0.03, help="in perplexity")
     parser.add_argument("--window", type=int, default=200)
+    parser.add_argument(
+        "--compute-s",
+        type=float,
+        default=None,
+        help="one compute time per step for every method: its step less its run's local",
+    )
     parser.add_argument("--out", required=True, help="OUT.json and OUT.png are written")
     args = parser.parse_args()
     labels = dict(item.split("=", 1) for item in args.label)
@@ -151,7 +171,7 @@ def main() -> None:
     for item in args.timing:
         name, _, path = item.partition("=")
         timing[name] = load_records([path])
-    result = analyse(quality, timing, args.baseline, args.tolerance, args.window)
+    result = analyse(quality, timing, args.baseline, args.tolerance, args.window, args.compute_s)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))

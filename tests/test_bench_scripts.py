@@ -25,6 +25,7 @@ def test_time_to_quality_lays_each_curve_on_its_step_time(tmp_path: Path) -> Non
         {"method": "dense", "step_s_median": 2.0, "wall_step_s": 2.5},
         {"method": "diloco", "step_s_median": 0.1, "wall_step_s": 0.5},
         {"method": "dgc", "step_s_median": 0.4, "wall_step_s": 0.4},
+        {"method": "local", "step_s_median": 0.1, "wall_step_s": 0.1},
     ]
     (tmp_path / "q.json").write_text(json.dumps(quality))
     (tmp_path / "t.json").write_text(json.dumps(timing))
@@ -42,3 +43,9 @@ def test_time_to_quality_lays_each_curve_on_its_step_time(tmp_path: Path) -> Non
     assert rows["dense"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(400.0)
     assert rows["diloco"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(150.0)
     assert (tmp_path / "ttq.png").exists()
+    # on one compute of 0.2 s a step: each method's step less its run's local (0.1 s), plus 0.2
+    run = subprocess.run([*command, "--compute-s", "0.2"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = {r["label"]: r for r in json.loads((tmp_path / "ttq.json").read_text())["rows"]}
+    assert rows["dense"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(200 * 2.1)
+    assert rows["diloco"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(300 * 0.6)
