@@ -97,8 +97,7 @@ def analyse(
             if timed is None:
                 continue
             measured_s = throughput_step_s(timed)
-            local = next((r for r in records if r["method"] == "local"), None)
-            local_s = throughput_step_s(local) if local is not None else None
+            local_s = timed.get("own_run_local_s")
             if compute_s is not None and local_s is not None:  # the same compute for all
                 step_s = compute_s + max(0.0, measured_s - local_s)
             else:
@@ -149,7 +148,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quality", nargs="+", required=True, help="real-compute results")
     parser.add_argument(
-        "--timing", action="append", default=[], help="NAME=results.json of a sleeping run"
+        "--timing",
+        action="append",
+        default=[],
+        help="NAME=results.json[,results.json...] of sleeping runs on one cluster",
     )
     parser.add_argument("--label", action="append", default=[], help="METHOD=LABEL")
     parser.add_argument("--baseline", default="dense")
@@ -167,10 +169,15 @@ def main() -> None:
     quality = load_records(args.quality)
     for record in quality:
         record["label"] = labels.get(record["method"], record["method"])
-    timing = {}
+    timing: dict[str, list[dict[str, Any]]] = {}
     for item in args.timing:
-        name, _, path = item.partition("=")
-        timing[name] = load_records([path])
+        name, _, paths = item.partition("=")
+        for path in paths.split(","):
+            records = load_records([path])
+            local = next((r for r in records if r["method"] == "local"), None)
+            for record in records:  # each record keeps its own run's compute-only step
+                record["own_run_local_s"] = throughput_step_s(local) if local else None
+            timing.setdefault(name, []).extend(r for r in records if r["method"] != "local")
     result = analyse(quality, timing, args.baseline, args.tolerance, args.window, args.compute_s)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

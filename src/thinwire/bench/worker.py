@@ -157,8 +157,8 @@ def train_method(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
     exchanges = counted_steps + in_flight
     shared = 1 if job.interface != "lo" else world_size
     history = list(engine.history) if engine is not None else []
-    if len(history) >= job.steps:  # one exchange a step: leave out the warm-up's
-        history = history[measured]
+    if engine is not None and engine.step >= job.steps:  # an exchange a step: the measured
+        history = history[-counted_steps:]
     result: dict[str, Any] = {
         "losses": losses,
         "ends_s": ends,
