@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from thinwire.compress.base import Compressor, is_real
+from thinwire.compress.base import is_real
 from thinwire.data_parallel.local_methods import build_rounds, defaults, method_options
 from thinwire.strategies.base import Wrapped
 from thinwire.strategies.carrying import CarriesCompressor
@@ -31,9 +31,6 @@ class Rounds(CarriesCompressor):
     def check_own(self, options: dict[str, Any]) -> None:
         """H, F, T, the outer settings and the compressor, as DiLoCo's methods check them."""
         method_options(self.name, options)
-
-    def check_compressor(self, options: dict[str, Any], built: Compressor) -> None:
-        """Checked with the other options (:meth:`check_own`)."""
 
     def wrap(self, model, optimizer, options, setup):  # type: ignore[no-untyped-def]
         """``optimizer`` as the inner optimizer of :class:`thinwire.DiLoCo` over ``model``."""
