@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     """Count every method's synchronisations; print and write them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=256,
+        help="layer width: 256 keeps every weight among the small tensors compressors take "
+        "side by side (65,536 values); 512 makes each weight a large one, alone",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for method in args.methods.split(","):
             try:
-                row = count_syncs(method)
+                row = count_syncs(method, width=args.width)
             except Exception:  # one broken method must not hide the others' counts
                 row = {"method": method, "error": traceback.format_exc(limit=4)}
             rows.append(row)
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python bench/gpu_syncs.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
+        "width": args.width,
         "rows": rows,
     }
     if args.out:

@@ -2,12 +2,15 @@
 
     python bench/host_cost.py --out docs/results/host-cost-cpu.json
     python bench/host_cost.py --device cuda --layers 62 --out results/host-cost-gpu.json
+    python bench/host_cost.py --device cuda --model resnet18 --batch 32 --out results/r18.json
 
 A world of one process (gloo on the CPU, NCCL on a GPU), a model of ``--layers`` linear
 layers of ``--width`` x ``--width`` (two parameter tensors each) and a batch of ``--batch``
 rows, so that the step is almost all bookkeeping: what the hook adds to DDP's step is
 thinwire's host path (kernel launches per tensor, host synchronisations, the exchange
-thread), not bytes or compute. Every method runs the same SGD steps on its own copy of
+thread), not bytes or compute. ``--model resnet18``: the image task's ResNet-18 (width 32,
+62 parameter tensors, 28x28 one-channel images, cross-entropy) instead, a real model's
+tensors and compute, for the GPU table. Every method runs the same SGD steps on its own copy of
 the model; ``ddp`` is DDP's own all-reduce (no hook), ``torch-powersgd`` and
 ``torch-fp16`` are PyTorch's ``powerSGD_hook`` (same rank as thinwire's PowerSGD, no
 warm-up) and ``fp16_compress_hook``.
@@ -15,7 +18,9 @@ warm-up) and ``fp16_compress_hook``.
 The methods are timed in ``--rounds`` rounds, each method's steps once per round in an
 order that alternates from round to round; a method's step time is the median of all its
 timed steps. Reported per method: the median step, the time it adds to DDP's step, and
-its step over DDP's. Read the ratios: they come from one run side by side.
+its step over DDP's, and for thinwire's methods the exchange thread's median time per step
+in thinwire's own math (memory, compressor, bookkeeping) and in collectives (from the
+engine's step statistics). Read the ratios: they come from one run side by side.
 
 To compare two versions of thinwire, run this file twice with ``PYTHONPATH`` pointing at
 each version's ``src`` (the JSON records which one it imported).
@@ -24,6 +29,7 @@ each version's ``src`` (the JSON records which one it imported).
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -44,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import thinwire
 from thinwire.launch import free_port
+from thinwire.tasks.resnet import ResNet18
 
 #: thinwire's compressors and the options they run with here
 THINWIRE: dict[str, dict[str, Any]] = {
@@ -60,6 +67,27 @@ THINWIRE: dict[str, dict[str, Any]] = {
     "qsgd": {},
 }
 REFERENCES = ["ddp", "torch-powersgd", "torch-fp16"]
+#: rows added with --variant: label -> (compressor, options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def parse_variant(text: str) -> tuple[str, str, dict[str, Any]]:
+    """``LABEL=METHOD:NAME=VALUE,...`` as (label, method, options); values are read as
+    Python literals where they parse (numbers, True/False/None), else kept as text."""
+    label, sep, rest = text.partition("=")
+    method, _, spec = rest.partition(":")
+    if not sep or not label or not method:
+        raise SystemExit(f"--variant {text!r}: write LABEL=METHOD:NAME=VALUE,...")
+    options: dict[str, Any] = {}
+    for pair in filter(None, spec.split(",")):
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"--variant {text!r}: option {pair!r} needs NAME=VALUE")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return label, method, options
 
 
 def build_model(layers: int, width: int, device: torch.device) -> nn.Module:
@@ -71,6 +99,14 @@ def build_model(layers: int, width: int, device: torch.device) -> nn.Module:
         if i < layers - 1:
             parts.append(nn.ReLU())
     return nn.Sequential(*parts).to(device)
+
+
+def build(args: argparse.Namespace, device: torch.device) -> nn.Module:
+    """The model ``--model`` names, on ``device``, the same weights for every method."""
+    if args.model == "resnet18":
+        torch.manual_seed(0)
+        return ResNet18(width=32).to(device)
+    return build_model(args.layers, args.width, device)
 
 
 def wrap(method: str, model: nn.Module, device: torch.device) -> DistributedDataParallel:
@@ -89,7 +125,8 @@ def wrap(method: str, model: nn.Module, device: torch.device) -> DistributedData
     elif method == "torch-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method != "ddp":
-        thinwire.register(ddp, method, **THINWIRE[method])
+        name, options = VARIANTS[method] if method in VARIANTS else (method, THINWIRE[method])
+        ddp.thinwire_engine = thinwire.register(ddp, name, **options)  # type: ignore[assignment]
     return ddp
 
 
@@ -99,17 +136,26 @@ class Runner:
     def __init__(self, method: str, args: argparse.Namespace, device: torch.device) -> None:
         self.method = method
         self.device = device
-        self.model = wrap(method, build_model(args.layers, args.width, device), device)
+        self.model = wrap(method, build(args, device), device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         generator = torch.Generator().manual_seed(1)
-        self.inputs = torch.randn(args.batch, args.width, generator=generator).to(device)
+        if args.model == "resnet18":
+            self.inputs = torch.randn(args.batch, 1, 28, 28, generator=generator).to(device)
+            self.labels = torch.randint(0, 10, (args.batch,), generator=generator).to(device)
+        else:
+            self.inputs = torch.randn(args.batch, args.width, generator=generator).to(device)
+            self.labels = None
         self.times: list[float] = []
         self.loss = float("nan")
 
     def step(self) -> None:
         """One training step."""
         self.optimizer.zero_grad(set_to_none=False)
-        loss = self.model(self.inputs).square().mean()
+        out = self.model(self.inputs)
+        if self.labels is None:
+            loss = out.square().mean()
+        else:
+            loss = nn.functional.cross_entropy(out, self.labels)
         loss.backward()
         self.optimizer.step()
         self.last = loss
@@ -143,7 +189,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         known = ", ".join(THINWIRE)
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {known}")
-    methods = REFERENCES + [m for m in THINWIRE if m in chosen]
+    methods = REFERENCES + [m for m in THINWIRE if m in chosen] + list(VARIANTS)
     runners = [Runner(m, args, device) for m in methods]
     for runner in runners:
         runner.steps(args.warmup, record=False)
@@ -155,14 +201,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for runner in runners:
         step = statistics.median(runner.times)
+        engine = getattr(runner.model, "thinwire_engine", None)
+        history = list(engine.history)[-len(runner.times) :] if engine is not None else []
         rows.append(
             {
                 "method": runner.method,
-                "options": THINWIRE.get(runner.method, {}),
+                "options": VARIANTS[runner.method][1]
+                if runner.method in VARIANTS
+                else THINWIRE.get(runner.method, {}),
                 "step_ms": step * 1e3,
                 "added_ms": (step - ddp_step) * 1e3,
                 "vs_ddp": step / ddp_step,
                 "steps_timed": len(runner.times),
+                # the exchange thread's time in thinwire's math and in collectives
+                "engine_math_ms": statistics.median(h.compress_s for h in history) * 1e3
+                if history
+                else None,
+                "engine_collectives_ms": statistics.median(h.communicate_s for h in history) * 1e3
+                if history
+                else None,
                 "final_loss": runner.loss,
             }
         )
@@ -176,6 +233,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "parameter_tensors": len(list(model.parameters())),
+        "model": args.model,
         "layers": args.layers,
         "width": args.width,
         "batch": args.batch,
@@ -189,11 +247,20 @@ def print_table(record: dict[str, Any]) -> None:
         title=f"{record['parameter_tensors']} parameter tensors on {record['device']}, "
         f"{record['thinwire_src']}"
     )
-    for column in ("method", "step ms", "added ms", "vs DDP"):
+    columns = ("method", "step ms", "added ms", "vs DDP", "engine math ms", "collectives ms")
+    for column in columns:
         table.add_column(column, justify="left" if column == "method" else "right")
     for row in record["rows"]:
         step, added, ratio = row["step_ms"], row["added_ms"], row["vs_ddp"]
-        table.add_row(row["method"], f"{step:.3f}", f"{added:+.3f}", f"{ratio:.2f}x")
+        math_ms, comm_ms = row.get("engine_math_ms"), row.get("engine_collectives_ms")
+        table.add_row(
+            row["method"],
+            f"{step:.3f}",
+            f"{added:+.3f}",
+            f"{ratio:.2f}x",
+            "" if math_ms is None else f"{math_ms:.3f}",
+            "" if comm_ms is None else f"{comm_ms:.3f}",
+        )
     Console().print(table)
 
 
@@ -201,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the command line, measure, print and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--model", choices=["linear", "resnet18"], default="linear")
     parser.add_argument("--layers", type=int, default=32, help="linear layers (2 tensors each)")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
@@ -208,9 +276,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--methods", default="all", help="comma-separated, or all")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=METHOD:NAME=VALUE,...",
+        help="one more row: a compressor with other options, timed beside the rest, e.g. "
+        "dgc-exact=dgc:density=0.01,selection=exact (repeatable)",
+    )
     parser.add_argument("--out", type=Path, help="write the JSON record here")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
+    for text in args.variant:
+        label, method, options = parse_variant(text)
+        if method not in THINWIRE or label in THINWIRE or label in REFERENCES:
+            raise SystemExit(f"--variant {text!r}: a new label for one of {', '.join(THINWIRE)}")
+        VARIANTS[label] = (method, options)
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

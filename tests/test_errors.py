@@ -165,11 +165,13 @@ def test_register_misuse_is_refused_when_called(pool2) -> None:
 # -- collective errors, on 2 ranks ----------------------------------------------------------
 
 
-def nan_on_one_rank(rank: int, world: int, compressor: str, options: dict) -> str:
-    """Rank 1 feeds a NaN; every rank must raise NonFiniteGradientError from backward."""
+def nan_on_one_rank(rank: int, world: int, compressor: str, options: dict, lazy: bool) -> str:
+    """Rank 1 feeds a NaN; every rank must raise NonFiniteGradientError from backward.
+    ``lazy``: the verdicts travel as flags read once at the step's end (as on a GPU)."""
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
-    thinwire.register(model, compressor, **options)
+    engine = thinwire.register(model, compressor, **options)
+    engine.defer_verdicts = lazy
     x = torch.randn(4, 8)
     if rank == 1:
         x[0, 0] = float("nan")
@@ -192,8 +194,11 @@ def nan_on_one_rank(rank: int, world: int, compressor: str, options: dict) -> st
         ("powersgd", {"rank": 1, "communicator": "direct"}),  # sums of an all-to-all
     ],
 )
-def test_nan_gradient_on_one_rank_fails_every_rank(pool2, compressor: str, options: dict) -> None:
-    messages = pool2.run(nan_on_one_rank, compressor, options, timeout=60)
+@pytest.mark.parametrize("lazy", [False, True], ids=["read-each-round", "read-once"])
+def test_nan_gradient_on_one_rank_fails_every_rank(
+    pool2, compressor: str, options: dict, lazy: bool
+) -> None:
+    messages = pool2.run(nan_on_one_rank, compressor, options, lazy, timeout=60)
     assert "non-finite gradient" in messages[0] and "another rank" in messages[0], messages[0]
     assert "non-finite gradient" in messages[1] and "on this rank (1)" in messages[1], messages[1]
 
@@ -482,20 +487,22 @@ def test_training_goes_on_after_a_refused_nan_step(pool2, name: str, front: str)
 
 
 def train_with_or_without_a_refused_step(
-    rank: int, world: int, name: str, front: str, layer: int, refuse: bool
+    rank: int, world: int, name: str, front: str, layer: int, refuse: bool, lazy: bool = False
 ) -> list[float]:
     """Four steps of data; with ``refuse``, step 1 runs with a NaN in rank 1's gradient of
     ``layer`` and is refused, else step 1 is left out. Either way the same three steps are
-    taken."""
+    taken. ``lazy``: verdicts read once per step (as on a GPU)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
     sgd = torch.optim.SGD(net.parameters(), lr=0.05)
     if front == "hook":  # several buckets: the later layers' are exchanged first
         model: nn.Module = DDP(net, bucket_cap_mb=0.01)
-        thinwire.register(model, name)
+        engine = thinwire.register(model, name)
         opt: Any = sgd
     else:
         model, opt = net, thinwire.DistributedOptimizer(sgd, net, name, bucket_cap_mb=0.01)
+        engine = opt.engine
+    engine.defer_verdicts = lazy
     for step in range(4):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         if step == 1 and not refuse:
@@ -528,6 +535,21 @@ def test_a_refused_step_leaves_no_trace(pool2, name: str, front: str, layer: int
     refused = pool2.run(train_with_or_without_a_refused_step, name, front, layer, True)
     skipped = pool2.run(train_with_or_without_a_refused_step, name, front, layer, False)
     assert refused[0] == skipped[0] and refused[1] == skipped[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("front", ["optimizer", "hook"])
+@pytest.mark.parametrize("name", ["none", "dgc", "powersgd", "onebit"])
+def test_a_step_refused_at_its_end_leaves_no_trace(pool2, name: str, front: str) -> None:
+    """With the verdicts read once per step (a GPU's way: no host wait per bucket), the
+    poisoned first bucket is exchanged, its results handed on and kept in the memory until
+    the step's last bucket reads the verdict; then all of it is undone, bit for bit."""
+    args = (name, front, 4)
+    refused = pool2.run(train_with_or_without_a_refused_step, *args, True, True)
+    skipped = pool2.run(train_with_or_without_a_refused_step, *args, False, True)
+    eager = pool2.run(train_with_or_without_a_refused_step, *args, False, False)
+    assert refused[0] == skipped[0] and refused[1] == skipped[1]
+    assert skipped == eager  # the same training when every step is finite
 
 
 # -- a peer that dies mid-run: the survivor gets a clear error within the timeout ----------
@@ -589,13 +611,14 @@ def test_lost_peer_gives_a_communication_error_not_a_hang(
     assert "timeout: 0:00:04" in message  # the error names the group's real timeout
 
 
-def nan_in_the_last_bucket(rank: int, world: int) -> str:
+def nan_in_the_last_bucket(rank: int, world: int, lazy: bool) -> str:
     """Rank 1's first layer (DDP's last bucket) gets a NaN gradient while the earlier
     bucket's PowerSGD Q round is still in flight, to be fused with it."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     model = DDP(net, bucket_cap_mb=0.01)  # several buckets
     engine = thinwire.register(model, "powersgd", rank=1)
+    engine.defer_verdicts = lazy
     if rank == 1:
         net[0].weight.register_hook(lambda grad: grad * float("nan"))
     try:
@@ -606,8 +629,9 @@ def nan_in_the_last_bucket(rank: int, world: int) -> str:
 
 
 @pytest.mark.multiprocess
-def test_nan_in_a_later_bucket_with_fused_rounds_fails_every_rank(pool2) -> None:
-    messages = pool2.run(nan_in_the_last_bucket, timeout=60)
+@pytest.mark.parametrize("lazy", [False, True], ids=["read-each-round", "read-once"])
+def test_nan_in_a_later_bucket_with_fused_rounds_fails_every_rank(pool2, lazy: bool) -> None:
+    messages = pool2.run(nan_in_the_last_bucket, lazy, timeout=60)
     assert "non-finite gradient" in messages[0] and "another rank" in messages[0], messages[0]
     assert "on this rank (1) in 0.weight" in messages[1], messages[1]
     assert all("in flight after: 0" in m for m in messages), messages

@@ -262,12 +262,24 @@ def residual_of(memory: Memory, key: str) -> Tensor:
             DGC(warmup_steps=0, density=0.05, sample_fraction=0.2),
             DGCMemory(momentum=0.0, masking=False),
         ),
+        (
+            DGC(warmup_steps=0, density=0.05, sample_fraction=0.2, selection="threshold"),
+            DGCMemory(momentum=0.0, masking=False),
+        ),
         (RandomK(density=0.05), ResidualMemory()),
         (PowerSGD(rank=2), ResidualMemory()),
         (OneRoundPowerSGD(rank=2), ResidualMemory()),
         (OneRoundPowerSGD(rank=2, alternate=True), ResidualMemory()),
     ],
-    ids=["topk", "dgc", "randomk", "powersgd", "powersgd-oneround", "powersgd-oneround-alt"],
+    ids=[
+        "topk",
+        "dgc",
+        "dgc-threshold",
+        "randomk",
+        "powersgd",
+        "powersgd-oneround",
+        "powersgd-oneround-alt",
+    ],
 )
 def test_error_feedback_conserves_mass(comp: Compressor, memory: Memory) -> None:
     gen = torch.Generator().manual_seed(1)

@@ -19,7 +19,10 @@ Three communicators:
 
 Non-finite gradients are caught without a hang: a rank whose input is not finite *poisons*
 its first round (NaN in sums, +inf in maxima, a status byte in gathers), every rank sees
-the poison in the answer after the same collective, and every rank raises.
+the poison in the answer after the same collective, and every rank raises. A *lazy* round
+(``execute(..., lazy=True)``, what the engine asks for on a GPU) takes the poison as a
+device flag and answers with one, so that nothing is read back on the host: the engine
+reads the step's flags once.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class RoundResult:
     input was poisoned (non-finite)."""
 
     answers: list[Any]
-    poisoned: bool
+    #: a device bool tensor after a lazy round (see :meth:`Communicator.execute`)
+    poisoned: bool | Tensor
     traffic: Traffic = field(default_factory=Traffic)
 
 
@@ -121,14 +125,28 @@ class Communicator(ABC):
                 "use communicator='allgather' (or 'auto')"
             )
 
-    def execute(self, requests: Sequence[Request], poison: bool = False) -> RoundResult:
-        """Run one round: fuse ``requests`` into as few collectives as possible, wait."""
+    #: whether the round under way is lazy (see :meth:`execute`)
+    lazy: bool = False
+
+    def execute(
+        self, requests: Sequence[Request], poison: bool | Tensor = False, lazy: bool = False
+    ) -> RoundResult:
+        """Run one round: fuse ``requests`` into as few collectives as possible, wait.
+
+        ``poison``: this rank's input was not finite (a bool, or a device bool tensor).
+        ``lazy``: answer whether any rank was poisoned as a bool tensor on the payloads'
+        device, rather than reading it back (a communicator that cannot answer so
+        answers with a bool)."""
         for request in requests:
             if not self.supports(request.op):
                 raise IncompatibleCompressorError(
                     f"communicator {self.name!r} cannot execute a {request.op.value!r} request"
                 )
-        return self._execute(requests, poison)
+        self.lazy = lazy
+        return self._execute(requests, bool(poison) if self._host_only else poison)
+
+    #: communicators whose ``_execute`` takes ``poison`` as a bool only
+    _host_only: bool = False
 
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Call one ``torch.distributed`` collective; turn its failure into a clear error."""
@@ -150,21 +168,28 @@ class AllReduceCommunicator(Communicator):
         """Sums and maxima only."""
         return op in (Op.SUM, Op.MAX)
 
-    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
+    def _execute(self, requests: Sequence[Request], poison: bool | Tensor) -> RoundResult:
         traffic = Traffic()
         answers: list[Any] = [None] * len(requests)
-        poisoned = False
+        poisoned: bool | Tensor = False
         for (op, dtype), members in group_by_op_and_dtype(requests).items():
             tensors = [t for i in members for t in requests[i].tensors]
             flat = _flatten(tensors, dtype)
-            if poison:
-                flat.fill_(math.inf if op is Op.MAX else math.nan)
+            fill = math.inf if op is Op.MAX else math.nan
+            if isinstance(poison, Tensor):  # one value is enough to poison every rank's sum
+                if flat.numel():
+                    flat[:1] = torch.where(poison, fill, flat[:1])
+            elif poison:
+                flat.fill_(fill)
             reduce_op = dist.ReduceOp.SUM if op is Op.SUM else dist.ReduceOp.MAX
             self._collective(dist.all_reduce, flat, op=reduce_op)
             traffic.add(
                 _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
             )
-            poisoned |= not all_finite(flat)
+            if self.lazy:
+                poisoned = poisoned | ~torch.isfinite(flat).all()
+            else:
+                poisoned |= not all_finite(flat)
             pieces = iter(_split(flat, tensors))
             for i in members:
                 answers[i] = [next(pieces) for _ in requests[i].tensors]
@@ -176,14 +201,15 @@ class AllGatherCommunicator(Communicator):
 
     name = "allgather"
 
-    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
+    def _execute(self, requests: Sequence[Request], poison: bool | Tensor) -> RoundResult:
         tensors = [t for request in requests for t in request.tensors]
         device = tensors[0].device if tensors else control_device(self.group)
         own = frame(tensors, poison, device)
         gathered = torch.empty(self.world_size * own.numel(), dtype=torch.uint8, device=device)
         self._gather(gathered, own)
         per_rank = gathered.view(self.world_size, own.numel())
-        poisoned = bool(per_rank[:, -1].any())
+        flags = per_rank[:, -1].any()
+        poisoned: bool | Tensor = flags if self.lazy else bool(flags)
         traffic = _ring_allgather_traffic(own.numel(), self.world_size)
         # Decode every rank's tensors from its bytes, in request order.
         rank_tensors = [split_bytes(per_rank[r, :-1], tensors) for r in range(self.world_size)]

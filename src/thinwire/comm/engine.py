@@ -7,6 +7,13 @@ compressor declines), then drives all protocols in lock-step: each round's reque
 the communicator together, one collective per kind (with :meth:`exchange_fused`, with the
 next rounds of the buckets before it). Afterwards the memory keeps what was not sent. It
 keeps the step counter, statistics and checkpoint state, and owns the exchange thread.
+
+A rank whose gradients are not finite poisons its first round, so every rank learns of it
+from the same collective, and the step is refused on every rank: the memory and the
+compressor go back to where they were before it. On the CPU each round's verdict is read
+at once. On a GPU (:attr:`GradientExchange.defer_verdicts`) a read would make the host
+wait for the GPU, so the verdicts stay device flags until the step's last exchange reads
+them all in one wait (the step is then undone as a whole): one host wait per step.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +37,10 @@ from thinwire.comm.checkpoint import (
     own_part,
     owner_of,
 )
-from thinwire.comm.collectives import (
-    Communicator,
-    Traffic,
-    make_communicator,
-)
+from thinwire.comm.collectives import Communicator, make_communicator
 from thinwire.comm.runs import Means, Run, plan_runs, start_run, whole_bucket
+from thinwire.comm.step_stats import StepStats
+from thinwire.comm.verdicts import non_finite_message
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import (
     Compressor,
@@ -61,49 +66,6 @@ class GradientItem:
 
 
 @dataclass
-class StepStats:
-    """What one optimizer step exchanged, as seen by this rank.
-
-    ``dense_bytes``: the fp32 size of the gradients; ``payload_bytes``: what this rank
-    contributed to collectives; ``sent_bytes``/``received_bytes``: what the ring algorithm
-    moves per rank; ``compress_s``: time in memory and compressor math; ``communicate_s``:
-    time inside collectives (on the exchange thread).
-    """
-
-    step: int
-    tensors: int = 0
-    dense_bytes: int = 0
-    payload_bytes: int = 0
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    collectives: int = 0
-    compress_s: float = 0.0
-    communicate_s: float = 0.0
-    traffic: Traffic = field(default_factory=Traffic, repr=False)
-
-    @property
-    def compression_ratio(self) -> float:
-        """Dense fp32 bytes over the bytes this rank actually contributed."""
-        return self.dense_bytes / self.payload_bytes if self.payload_bytes else float("nan")
-
-    def as_dict(self) -> dict[str, float | None]:
-        """A flat dict for logs and strict JSON (``compression_ratio`` is ``None`` for a
-        step that sent nothing, rather than NaN)."""
-        return {
-            "step": self.step,
-            "tensors": self.tensors,
-            "dense_bytes": self.dense_bytes,
-            "payload_bytes": self.payload_bytes,
-            "sent_bytes": self.sent_bytes,
-            "received_bytes": self.received_bytes,
-            "collectives": self.collectives,
-            "compression_ratio": self.compression_ratio if self.payload_bytes else None,
-            "compress_s": self.compress_s,
-            "communicate_s": self.communicate_s,
-        }
-
-
-@dataclass
 class _Batch:
     """The tensors of one :meth:`GradientExchange.exchange` call (a bucket) in flight."""
 
@@ -111,6 +73,10 @@ class _Batch:
     runs: list[Run]
     not_finite: list[str]
     token: Any = None
+    #: this rank's gradients of the batch were not finite: a bool, or a device flag
+    poison: bool | Tensor = False
+    #: the batch's finiteness checks (to name the tensors of a step refused later)
+    checks: FiniteChecks | None = None
 
     @property
     def done(self) -> bool:
@@ -161,6 +127,13 @@ class GradientExchange:
         #: ranks have checked that they all start from the same one (at the first exchange)
         self._origin = 0
         self._start_checked = not self.communicator.checks_start
+        #: read finiteness verdicts once per step rather than once per round: ``None``
+        #: wherever the gradients are not on the CPU (a read makes the host wait for the
+        #: GPU), ``True`` everywhere (tests), ``False`` nowhere
+        self.defer_verdicts: bool | None = None
+        #: the step's verdicts not read yet (device flags), and the batches they cover
+        self._verdicts: list[Tensor] = []
+        self._suspects: list[_Batch] = []
 
     # -- running exchanges ----------------------------------------------------------------
 
@@ -232,6 +205,7 @@ class GradientExchange:
             while not batch.done:
                 communicated += self._round([batch], fresh=batch if first else None)
                 first = False
+            self._settle()
             means = self._finish(batch)
         except BaseException:
             self._drop_step()
@@ -263,6 +237,8 @@ class GradientExchange:
             communicated += self._round(self._in_flight, fresh=batch)
             while last and not all(b.done for b in self._in_flight):
                 communicated += self._round(self._in_flight, fresh=None)
+            if last:
+                self._settle()
         except BaseException:
             self._in_flight.clear()
             self._drop_step()
@@ -299,16 +275,51 @@ class GradientExchange:
         correcteds = self.memory.compensate_many(
             [item.grad for item in items], slots, [item.param for item in items]
         )
-        checks = FiniteChecks()  # of the gradient, or what the memory added to it
+        lazy = self._lazy(items)
+        checks = FiniteChecks(defer=lazy)  # of the gradient, or what the memory added to it
         own = (c is item.grad for c, item in zip(correcteds, items, strict=True))
         if whole is not None and not all(own):
             whole = None  # the memory compensated into tensors of its own
         for planned in plan_runs(correcteds, compressed, self.compressor, whole):
             checks.add_together(planned.members, planned.tensor, planned.pieces)
             batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
+        if lazy:  # the verdict travels as a device flag, read once at the step's end
+            batch.poison, batch.checks = checks.verdict(), checks
+            self._suspects.append(batch)
+            return batch
         for i in checks.failed():  # before any round: a non-finite one poisons the first,
             batch.not_finite.append(items[i].key)  # and the step is rolled back
+        batch.poison = bool(batch.not_finite)
         return batch
+
+    def _lazy(self, items: Sequence[GradientItem]) -> bool:
+        """Whether this exchange reads its finiteness verdicts once per step (see
+        :attr:`defer_verdicts`)."""
+        if self.defer_verdicts is not None:
+            return self.defer_verdicts
+        return bool(items) and items[0].grad.device.type != "cpu"
+
+    def _settle(self) -> None:
+        """Read the verdicts of the step's lazy rounds (one wait for all of them); if some
+        rank's gradients were not finite, roll the step back and raise on every rank (each
+        reads the same flags from the same collectives)."""
+        if not self._verdicts:
+            self._suspects.clear()
+            return
+        flags = [flag.reshape(()).to(self._verdicts[0].device) for flag in self._verdicts]
+        refused = bool(torch.stack(flags).any())
+        suspects, self._verdicts, self._suspects = self._suspects, [], []
+        if refused:
+            keys = [
+                batch.items[i].key
+                for batch in suspects
+                if batch.checks is not None
+                for i in batch.checks.failed()
+            ]
+            self._drop_step()
+            raise NonFiniteGradientError(
+                non_finite_message(self.step, self.rank, keys, self.compressor.name)
+            )
 
     def _round(self, batches: Sequence[_Batch], fresh: _Batch | None) -> float:
         """Execute the pending request of every unfinished run of ``batches`` as one round
@@ -318,15 +329,23 @@ class GradientExchange:
         owners = [run for b in batches for run in b.runs if not run.done]
         if not owners:
             return 0.0
-        poison = fresh is not None and bool(fresh.not_finite)
+        poison = fresh.poison if fresh is not None else False
+        lazy = bool(self._suspects)  # lazy batches take part in this round
         before = time.perf_counter()
-        outcome = self.communicator.execute([run.request for run in owners], poison=poison)
+        outcome = self.communicator.execute(
+            [run.request for run in owners], poison=poison, lazy=lazy
+        )
         spent = time.perf_counter() - before
         self._current.traffic.add(outcome.traffic)
-        if outcome.poisoned:
+        if isinstance(outcome.poisoned, Tensor):
+            self._verdicts.append(outcome.poisoned)
+        elif outcome.poisoned and lazy:  # known on the host at once: no need to wait
+            self._verdicts.append(torch.ones((), dtype=torch.bool))
+            self._settle()
+        elif outcome.poisoned:
             keys = fresh.not_finite if fresh is not None else []
             raise NonFiniteGradientError(
-                _non_finite_message(self.step, self.rank, keys, self.compressor.name)
+                non_finite_message(self.step, self.rank, keys, self.compressor.name)
             )
         for run, answer in zip(owners, outcome.answers, strict=True):
             run.advance(answer)
@@ -346,6 +365,7 @@ class GradientExchange:
         to the next one's, and the memory and the compressor go back to where they were
         before it (nothing of its gradients stays, nothing kept before is lost)."""
         self._current = StepStats(step=self.step)
+        self._verdicts, self._suspects = [], []
         self.memory.rollback()
         if self._before_step is not None:
             self.compressor.load_state_dict(self._before_step)
@@ -358,6 +378,7 @@ class GradientExchange:
 
     def end_step(self) -> StepStats:
         """Close the current optimizer step: record its statistics, advance the counter."""
+        self._settle()
         if self._in_flight:
             self._in_flight.clear()
             raise RuntimeError(
@@ -466,21 +487,3 @@ def _means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:
                 mean = mean.reshape(grad.shape)
             means[i] = mean if mean.dtype == grad.dtype else mean.to(grad.dtype)
     return means
-
-
-def _non_finite_message(step: int, rank: int, keys: list[str], compressor: str = "") -> str:
-    where = (
-        f"on this rank ({rank}) in {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-        if keys
-        else f"on another rank (rank {rank}'s own gradients were finite)"
-    )
-    if not keys and compressor == "fp16":
-        where += (
-            ", or in fp16 payloads: fp16 holds magnitudes up to 65504, so larger gradients "
-            "(or their sum over the ranks) overflow to Inf; use bf16, or scale the loss down"
-        )
-    return (
-        f"non-finite gradient (NaN or Inf) at step {step}, {where}; the averaged gradient "
-        "would be garbage, so no rank applied it. Lower the learning rate, clip gradients, "
-        "or check the loss and the input data for NaN/Inf."
-    )

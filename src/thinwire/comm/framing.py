@@ -19,11 +19,17 @@ def as_bytes(tensor: Tensor) -> Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def frame(tensors: Sequence[Tensor], poison: bool, device: torch.device | None = None) -> Tensor:
-    """``tensors``' bytes one after another, then the status byte."""
+def frame(
+    tensors: Sequence[Tensor], poison: bool | Tensor, device: torch.device | None = None
+) -> Tensor:
+    """``tensors``' bytes one after another, then the status byte (``poison``: a bool, or
+    a bool tensor on ``device``, which is not read back)."""
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
-    status = torch.tensor([int(poison)], dtype=torch.uint8, device=device)
+    if isinstance(poison, Tensor):
+        status = poison.reshape(1).to(device=device, dtype=torch.uint8)
+    else:  # a fill, not a copy from the host: on a GPU such a copy makes the host wait
+        status = torch.full((1,), int(poison), dtype=torch.uint8, device=device)
     return torch.cat([as_bytes(t) for t in tensors] + [status])
 
 

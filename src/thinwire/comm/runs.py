@@ -204,7 +204,12 @@ def plan_runs(
             run.shapes = [correcteds[i].shape for i in run.members]
             planned.append(run)
         large = [i for i in chosen if correcteds[i].numel() > SMALL]
-        planned += [Planned([i], correcteds[i], True) for i in large]
+        if large and compressor.segments_large(correcteds[large[0]].device):
+            for run in _side_by_side(large, correcteds, compressed=True):
+                run.shapes = [correcteds[i].shape for i in run.members]
+                planned.append(run)
+        else:
+            planned += [Planned([i], correcteds[i], True) for i in large]
     else:
         planned += [Planned([i], correcteds[i], True) for i in chosen]
     return planned

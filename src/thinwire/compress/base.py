@@ -136,6 +136,11 @@ class Compressor(ABC):
     #: flat tensor (:meth:`exchange_segmented`): 1-bit SGD, signSGD
     segmented: ClassVar[bool] = False
 
+    def segments_large(self, device: torch.device) -> bool:
+        """Whether a segmented compressor takes a bucket's large tensors (on ``device``)
+        side by side too, as one more run of segments, rather than one at a time."""
+        return False
+
     # -- which tensors it handles ---------------------------------------------------------
 
     def compresses(self, tensor: Tensor) -> bool:
@@ -365,14 +370,17 @@ def all_finite(tensor: Tensor) -> bool:
 
 class FiniteChecks:
     """Which of several tensors hold a NaN or infinite entry, each checked when it is
-    :meth:`add`-ed (so nothing that writes it later can hide the entry) and waited for
-    together: on the CPU at once (:func:`all_finite`), on a GPU as a device flag read in
-    one wait per device at :meth:`failed` (each ``bool()`` of a device value waits for
-    every kernel queued before it, which would stall the exchange once per tensor).
-    :meth:`add_together` checks several tensors that lie in one (flat or stacked) tensor
-    with one check, and looks at them one by one only when that check fails."""
+    :meth:`add`-ed (so nothing that writes it later can hide the entry).
 
-    def __init__(self) -> None:
+    On the CPU a check is done at once (:func:`all_finite`). On a GPU (or everywhere, with
+    ``defer``) it is a device flag, read only when asked: :meth:`failed` reads them all in
+    one wait, and :meth:`verdict` combines them into one device flag without reading it,
+    so that an exchange can carry it (a poisoned payload) and the host learns the outcome
+    once per step. :meth:`add_together` checks several tensors that lie in one (flat or
+    stacked) tensor with one check, and looks at them one by one only when it fails."""
+
+    def __init__(self, defer: bool = False) -> None:
+        self._defer = defer
         self._failed: list[int] = []
         self._queued: dict[torch.device, list[tuple[list[int], Tensor, Callable]]] = {}
 
@@ -386,12 +394,24 @@ class FiniteChecks:
         """Check the tensors that ``pieces()`` returns (known as ``indices``), which are
         parts of (or copies of parts of) ``whole`` and are not written before
         :meth:`failed`; ``pieces`` is called only if ``whole`` is not finite."""
-        if whole.device.type == "cpu":
+        if whole.device.type == "cpu" and not self._defer:
             if not all_finite(whole):
                 self._failed += _not_finite(indices, pieces())
         elif whole.is_floating_point() and whole.numel() > 0:
             flag = torch.isfinite(whole).all()
             self._queued.setdefault(whole.device, []).append((list(indices), flag, pieces))
+
+    def verdict(self) -> bool | Tensor:
+        """Whether some tensor failed: ``True``/``False`` where that is known on the host,
+        else a device bool tensor (nothing read back)."""
+        if self._failed:
+            return True
+        flags = [flag for entries in self._queued.values() for _, flag, _ in entries]
+        if not flags:
+            return False
+        if len(self._queued) > 1:  # tensors on several devices: gather the flags on one
+            flags = [flag.to(flags[0].device) for flag in flags]
+        return ~torch.stack(flags).all()
 
     def failed(self) -> list[int]:
         """The indices of the tensors that were not finite, in increasing order."""

@@ -13,22 +13,48 @@ compressor only chooses which entries of ``v`` travel, and how many::
 Exact ``torch.topk`` over 25 M entries costs a partial sort of the whole tensor; the sampled
 threshold costs one pass for ``|v|``, one for the mask and a scan of the mask, and the
 final top-k only sorts the ~k candidates, so the payload is the same as exact top-k's.
+
+On a GPU each try above reads a count back on the host, which stalls the exchange. There
+(``selection="threshold"``, the default on every device but the CPU) the selection keeps
+to the device::
+
+    thr    = a-th largest |v| of the sample, a two standard deviations below the
+             sample's share of k (one try; at least 256 sampled above it where it can)
+    cand   = {i : |v_i| >= thr and v_i != 0}       about 7/8 k, rarely more than k
+    idx    = the first k of cand (torch.nonzero_static: no count read back), padded
+             with a sent index and the value 0 when |cand| < k
+
+so about 7/8 of k entries, all at or above the estimated k-th magnitude; what it leaves
+(all of cand past the first k, in the rare step where more than k pass) stays in the
+memory and grows until it goes, as every unsent entry does. A bucket's large tensors
+take it side by side, with a fixed number of kernels whatever their count
+(:mod:`thinwire.compress.dgc_segments`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Memory, Slot, check_fraction, is_integer
+from thinwire.compress.base import (
+    Exchange,
+    Exchanged,
+    Memory,
+    Slot,
+    check_fraction,
+    is_integer,
+)
 from thinwire.compress.bits import ScratchBuffer
+from thinwire.compress.dgc_segments import ThresholdSegments, aim_below
 from thinwire.compress.feedback import DGCMemory
 from thinwire.compress.registry import register_compressor
-from thinwire.compress.topk import TopK
+from thinwire.compress.segments import SMALL
+from thinwire.compress.topk import TopK, gather_sparse
 
 #: warm-up stages start at this density and shrink by WARMUP_FACTOR until the target
 WARMUP_START = 0.25
@@ -58,6 +84,12 @@ class DGC(TopK):
             epochs of your run.
         sample_fraction: fraction of |v| sampled to estimate the threshold, in (0, 1].
         seed: seeds the generator of the sample offsets (checkpointed).
+        selection: how tensors larger than the segments' limit choose their entries:
+            ``"exact"``, exactly the top-k set (a few host reads per tensor);
+            ``"threshold"``, about k entries above a sampled threshold without reading
+            anything back (what a GPU needs: no host wait); ``"auto"`` (default):
+            exact on the CPU, threshold elsewhere. Small tensors always send their exact
+            top-k (side by side in one padded ``torch.topk``).
     """
 
     density: float = 0.001
@@ -68,6 +100,7 @@ class DGC(TopK):
     warmup_steps: int = 1000
     sample_fraction: float = 0.01
     seed: int = 0
+    selection: str = "auto"
 
     name = "dgc"
     summary = "Deep Gradient Compression: sampled top-k, momentum correction, warm-up"
@@ -85,16 +118,24 @@ class DGC(TopK):
         if not is_integer(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         self.warmup_steps, self.seed = int(self.warmup_steps), int(self.seed)
+        if self.selection not in SELECTIONS:
+            raise ValueError(
+                f"selection must be one of {', '.join(map(repr, SELECTIONS))}, "
+                f"got {self.selection!r}"
+            )
         self.make_memory()  # validates momentum, max_norm and weight_decay
         self.momentum, self.weight_decay = float(self.momentum), float(self.weight_decay)
         self.max_norm = None if self.max_norm is None else float(self.max_norm)
         self.stages = warmup_stages(self.density)
         self.stride = _prime_at_least(round(1 / self.sample_fraction))
         self.generator = torch.Generator().manual_seed(self.seed)
-        #: candidates the last selection took its top-k from (n after an exact fallback)
+        #: candidates the last selection took its top-k from (n after an exact fallback;
+        #: -1 after a threshold selection, which reads no count back)
         self.last_candidates = 0
         #: thresholds the last selection tried (0: it went straight to exact top-k)
         self.last_tries = 0
+        self._strides: dict[int, int] = {}
+        self._threshold_layouts: dict[tuple[Any, float], ThresholdSegments] = {}
         self._magnitude = ScratchBuffer()
         self._mask = ScratchBuffer()
 
@@ -130,6 +171,76 @@ class DGC(TopK):
         return self.stages[slot.step * len(self.stages) // self.warmup_steps]
 
     # -- selection: the hot path ----------------------------------------------------------
+
+    def by_threshold(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` take the threshold selection (no host wait)."""
+        if self.selection == "auto":
+            return device.type != "cpu"
+        return self.selection == "threshold"
+
+    def segments_large(self, device: torch.device) -> bool:
+        """Large tensors go side by side too where the threshold selection takes them."""
+        return self.by_threshold(device)
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """Small tensors side by side: each one's exact top-k (as top-k does). Large ones
+        side by side (on a device that takes the threshold selection): about k of each
+        above its own sampled threshold, every segment at once (no host wait)."""
+        if all(math.prod(shape) <= SMALL for shape in shapes):
+            return (yield from super().exchange_segmented(flat, shapes, slots))
+        density = self.density_at(slots[0])
+        key = (tuple(shapes), density)
+        layout = self._threshold_layouts.get(key)
+        if layout is None:
+            layout = ThresholdSegments(shapes, density, self._threshold_stride)
+            self._threshold_layouts[key] = layout
+        offset = int(torch.randint(layout.offsets, (1,), generator=self.generator))
+        indices, values = layout.pick(flat, offset)
+        mean = yield from gather_sparse(values, indices, flat, slots[0].world_size)
+        return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
+
+    def pick(self, flat: Tensor, k: int, slot: Slot) -> tuple[Tensor, Tensor]:
+        """The ``k`` (index, value) pairs to send: :meth:`select`'s, or with the
+        threshold selection :meth:`pick_by_threshold`'s."""
+        if k < flat.numel() and self.by_threshold(flat.device):
+            return self.pick_by_threshold(flat, k)
+        return super().pick(flat, k, slot)
+
+    def pick_by_threshold(self, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """About ``k`` entries of ``flat`` at or above a sampled estimate of its k-th
+        largest magnitude, with a fixed number of kernels and no value read back on the
+        host: exactly ``k`` (index, value) pairs, padded with the first one's index and
+        the value 0 when fewer pass the threshold (nothing is counted twice)."""
+        n = flat.numel()
+        magnitude, mask = self._buffers(flat)
+        torch.abs(flat, out=magnitude)
+        stride = self._threshold_stride(k)
+        offset = int(torch.randint(stride, (1,), generator=self.generator))
+        sample = magnitude[offset::stride]
+        aim = min(sample.numel(), aim_below(k * sample.numel() / n))
+        threshold = torch.topk(sample, aim, sorted=False).values.min()
+        # above 0: a zero carries nothing (and a threshold of 0 would take every value)
+        threshold = threshold.clamp_min(torch.finfo(flat.dtype).tiny)
+        passed = mask[:n]
+        torch.ge(magnitude, threshold, out=passed)
+        found_at = torch.nonzero_static(passed, size=k, fill_value=-1).view(-1)
+        found = found_at >= 0
+        indices = torch.where(found, found_at, found_at[:1].clamp_min(0))
+        values = torch.where(found, flat.index_select(0, indices), 0.0)
+        self.last_candidates, self.last_tries = -1, 1
+        return indices, values
+
+    def _threshold_stride(self, k: int) -> int:
+        """The sample stride of a threshold selection of ``k``: ``sample_fraction``'s,
+        or a smaller one where that would leave fewer than :data:`MIN_AIM` sampled
+        entries above the threshold (too few to place it: its count would scatter)."""
+        stride = self._strides.get(k)
+        if stride is None:
+            stride = self.stride if k >= MIN_AIM * self.stride else _prime_at_least(k // MIN_AIM)
+            self._strides[k] = stride
+        return stride
 
     def select(self, flat: Tensor, k: int, slot: Slot) -> Tensor:
         """Flat indices of the ``k`` largest |flat|, via a threshold estimated on a sample."""
@@ -184,6 +295,15 @@ class DGC(TopK):
             raise ValueError(f"compressor 'dgc' got unknown state {sorted(unknown)}")
         if "generator" in state:
             self.generator.set_state(state["generator"])
+
+
+#: a threshold selection samples enough for at least this many sampled entries above the
+#: threshold (the count it lets through then scatters about 1/sqrt(256) = 6 % around its
+#: aim)
+MIN_AIM = 256
+
+#: DGC's ways of choosing a large tensor's entries (see ``DGC.selection``)
+SELECTIONS = ("auto", "exact", "threshold")
 
 
 def warmup_stages(density: float) -> list[float]:

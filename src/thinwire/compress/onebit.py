@@ -234,7 +234,7 @@ def decode_signs(
     cols = matrix.shape[1]
     a, b = (scale.unsqueeze(1) for scale in scales.to(out.dtype).unbind(1))
     step = _rows_per_block(cols, out.device)
-    bits = torch.tensor([0.0, 1.0], dtype=out.dtype, device=out.device)
+    bits = torch.arange(2, dtype=out.dtype, device=out.device)  # no copy from the host
     block = block if block is not None else ScratchBuffer()
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)

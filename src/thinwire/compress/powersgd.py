@@ -80,6 +80,8 @@ class PowerSGD(Compressor):
         #: per group of stacked keys, the last step's stacked Q^T and the views of it that
         #: ``warm`` holds (while they are still the ones there, the stack is reused)
         self._stacked_warm: dict[str, tuple[Tensor, list[Tensor]]] = {}
+        #: per key, rows to refill dead rows of its warm start with on a GPU
+        self._spares: dict[str, Tensor] = {}
 
     def compresses(self, tensor: Tensor) -> bool:
         """Matrices (and higher) whose factors are ``min_compression`` times smaller."""
@@ -119,8 +121,11 @@ class PowerSGD(Compressor):
         mean, local = self._output_buffers(group, matrices)
         torch.bmm(pt.transpose(1, 2), qt_mean, out=mean)
         torch.bmm(pt.transpose(1, 2), qt_local, out=local)
-        dead = qt_mean.abs().amax(dim=2) == 0
-        if bool(dead.any()):
+        if qt_mean.device.type != "cpu":  # on a GPU without reading anything back
+            spares = torch.stack([self._spare(slot.key, qt_mean[0]) for slot in slots])
+            dead = qt_mean.abs().amax(dim=2, keepdim=True) == 0
+            qt_mean = torch.where(dead, spares, qt_mean)
+        elif bool((qt_mean.abs().amax(dim=2) == 0).any()):
             for i, slot in enumerate(slots):
                 self._revive(qt_mean[i], slot)
         views = list(qt_mean.unbind(0))
@@ -154,13 +159,30 @@ class PowerSGD(Compressor):
 
     def _revive(self, qt: Tensor, slot: Slot) -> Tensor:
         """Refill rows of Q^T that are exactly zero (an all-zero gradient), which power
-        iteration could never leave; the same on every rank, since Q^T is."""
+        iteration could never leave; the same on every rank, since Q^T is. On the CPU
+        with rows drawn for the step; on a GPU, where asking whether any row is dead
+        would make the host wait, with the key's spare rows (:meth:`_spare`) chosen on the
+        device."""
+        if qt.device.type != "cpu":
+            dead = qt.abs().amax(dim=1, keepdim=True) == 0
+            return torch.where(dead, self._spare(slot.key, qt), qt)
         dead = qt.abs().amax(dim=1) == 0
         if bool(dead.any()):
             generator = torch.Generator().manual_seed(stable_seed(self.seed, slot.key, slot.step))
             fresh = torch.randn(qt.shape, generator=generator, dtype=qt.dtype)
             qt[dead] = fresh.to(qt.device)[dead]
         return qt
+
+    def _spare(self, key: str, like: Tensor) -> Tensor:
+        """Seeded random rows shaped as ``like`` for ``key``'s dead rows, made once per key
+        and shape on ``like``'s device (the same on every rank)."""
+        spare = self._spares.get(key)
+        if spare is None or spare.shape != like.shape or spare.device != like.device:
+            generator = torch.Generator().manual_seed(stable_seed(self.seed, key, "spare"))
+            spare = torch.randn(like.shape, generator=generator, dtype=like.dtype)
+            spare = spare.to(device=like.device)
+            self._spares[key] = spare
+        return spare.to(like.dtype)
 
     def _output_buffers(self, key: str, matrix: Tensor) -> tuple[Tensor, Tensor]:
         """The (mean, local) buffers of ``key``, reused across steps."""

@@ -105,7 +105,7 @@ class RandomK(Compressor):
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum the values at the shared indices over ranks and scatter them."""
         flat = tensor.reshape(-1)
-        indices = self.indices(flat.numel(), slot).to(flat.device)
+        indices = to_device(self.indices(flat.numel(), slot), flat.device)
         values = flat.index_select(0, indices)
         if self.rescale:
             values.mul_(flat.numel() / indices.numel())
@@ -131,7 +131,7 @@ class RandomK(Compressor):
         scores = torch.cat(
             [self.scores(math.prod(shape), slot) for shape, slot in zip(shapes, slots, strict=True)]
         )
-        indices = layout.select(scores.to(flat.device))
+        indices = layout.select(to_device(scores, flat.device))
         values = flat.index_select(0, indices)
         if self.rescale:
             values.mul_(layout.kept_fraction(flat.device).reciprocal())
@@ -145,7 +145,7 @@ class RandomK(Compressor):
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([values], (indices, numel))``."""
         flat = tensor.reshape(-1)
-        indices = self.indices(flat.numel(), slot).to(flat.device)
+        indices = to_device(self.indices(flat.numel(), slot), flat.device)
         values = flat.index_select(0, indices)
         if self.rescale:
             values.mul_(flat.numel() / indices.numel())
@@ -171,6 +171,15 @@ def sample_without_replacement(n: int, k: int, generator: torch.Generator) -> Te
     if kept.numel() > k:
         kept = kept[torch.randperm(kept.numel(), generator=generator)[:k]].sort().values
     return kept
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` (on the CPU) moved to ``device``; to a GPU through pinned memory, so that
+    the host does not wait for the copy (PyTorch keeps the pinned block until it is
+    done)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def stable_seed(*parts: object) -> int:

@@ -73,6 +73,16 @@ from thinwire.compress.stochastic import RankStream, StochasticCompressor, check
 
 #: t for each 2-bit code t + 1 (code 3 is never sent)
 TERNARY = (-1.0, 0.0, 1.0, 0.0)
+_TERNARY_ON: dict[torch.device, Tensor] = {}
+
+
+def ternary_values(device: torch.device) -> Tensor:
+    """:data:`TERNARY` as a tensor on ``device``, copied there once (on a GPU each copy
+    from the host would make the host wait)."""
+    values = _TERNARY_ON.get(device)
+    if values is None:
+        values = _TERNARY_ON.setdefault(device, torch.tensor(TERNARY, device=device))
+    return values
 
 
 @register_compressor
@@ -124,7 +134,7 @@ class TernGrad(StochasticCompressor):
         (s,) = yield Request.max(peak_magnitude(flat, bound).reshape(1))
         packed = ternary_codes(flat, bound, float(s), self.random, slot)
         gathered = yield Request.gather(packed)
-        values = s * torch.tensor(TERNARY, device=s.device)  # s * t for each code
+        values = s * ternary_values(s.device)  # s * t for each code
         mean = self.buffers.take(slot.key, "mean", flat)
         for rank, (rank_packed,) in enumerate(gathered):
             decode(rank_packed, 2, values / slot.world_size, out=mean, add=rank > 0)
@@ -140,7 +150,7 @@ class TernGrad(StochasticCompressor):
         (s,) = yield Request.max(peaks)
         packed = ternary_codes_rows(matrix, bounds, s, self.random, slot)
         gathered = yield Request.gather(packed)
-        ternary = torch.tensor(TERNARY, device=flat.device)
+        ternary = ternary_values(flat.device)
         mean = self.buffers.take(slot.key, "mean", flat)
         for rank, (rank_packed,) in enumerate(gathered):
             decode(rank_packed, 2, ternary / slot.world_size, out=mean, add=rank > 0)

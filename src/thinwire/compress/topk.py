@@ -11,7 +11,7 @@ feedback (the default): the dropped entries wait in the residual.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +60,19 @@ class TopK(Compressor):
         """Flat indices of the ``k`` entries of ``flat`` with largest magnitude."""
         return torch.topk(flat.abs(), k, sorted=False).indices
 
+    def pick(self, flat: Tensor, k: int, slot: Slot) -> tuple[Tensor, Tensor]:
+        """The ``k`` (index, value) pairs of ``flat`` to send: :meth:`select`'s indices
+        and their values. A selection that may find fewer than ``k`` entries pads with a
+        sent index and the value 0, which adds nothing where it lands."""
+        indices = self.select(flat, k, slot)
+        return indices, flat.index_select(0, indices)
+
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Gather (values, indices) from every rank and scatter-add them."""
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.density_at(slot))
-        indices = self.select(flat, k, slot)
-        values = flat.index_select(0, indices)
-        gathered = yield Request.gather(values, indices.to(torch.int32))
-        mean = torch.zeros_like(flat)
-        for rank_values, rank_indices in gathered:
-            mean.index_add_(0, rank_indices.long(), rank_values)
-        mean.div_(slot.world_size)
+        indices, values = self.pick(flat, k, slot)
+        mean = yield from gather_sparse(values, indices, flat, slot.world_size)
         return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=indices)
 
     def exchange_segmented(
@@ -86,11 +88,7 @@ class TopK(Compressor):
             layout = self._layouts.setdefault(key, SegmentedTopK(shapes, density))
         indices = layout.select(flat)
         values = flat.index_select(0, indices)
-        gathered = yield Request.gather(values, indices.to(torch.int32))
-        mean = torch.zeros_like(flat)
-        for rank_values, rank_indices in gathered:
-            mean.index_add_(0, rank_indices.long(), rank_values)
-        mean.div_(slots[0].world_size)
+        mean = yield from gather_sparse(values, indices, flat, slots[0].world_size)
         return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
 
     def density_at(self, slot: Slot) -> float:
@@ -98,16 +96,30 @@ class TopK(Compressor):
         return self.density
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
-        """Scatter one (values, indices) payload into a dense tensor of ``ctx`` numel."""
+        """Scatter one (values, indices) payload into a dense tensor of ``ctx`` numel
+        (added, so that a padding entry, a repeated index with the value 0, adds nothing)."""
         values, indices = payload
         out = torch.zeros(ctx, dtype=values.dtype, device=values.device)
-        return out.index_put_((indices.long(),), values)
+        return out.index_add_(0, indices.long(), values)
 
     def compress(self, tensor: Tensor, slot: Slot) -> tuple[list[Tensor], Any]:
         """Encode for inspection and tests: ``([values, int32 indices], numel)``."""
         flat = tensor.reshape(-1)
-        indices = self.select(flat, num_selected(flat.numel(), self.density_at(slot)), slot)
-        return [flat.index_select(0, indices), indices.to(torch.int32)], flat.numel()
+        k = num_selected(flat.numel(), self.density_at(slot))
+        indices, values = self.pick(flat, k, slot)
+        return [values, indices.to(torch.int32)], flat.numel()
+
+
+def gather_sparse(
+    values: Tensor, indices: Tensor, like: Tensor, world_size: int
+) -> Generator[Request, Any, Tensor]:
+    """Gather every rank's ``values`` at its flat ``indices`` (sent as int32) and return
+    their mean, scatter-added into a tensor shaped as the flat ``like``."""
+    gathered = yield Request.gather(values, indices.to(torch.int32))
+    mean = torch.zeros_like(like)
+    for rank_values, rank_indices in gathered:
+        mean.index_add_(0, rank_indices.long(), rank_values)
+    return mean.div_(world_size)
 
 
 class SegmentedTopK:

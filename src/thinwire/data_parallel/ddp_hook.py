@@ -22,7 +22,10 @@ A bucket whose exchange fails (a non-finite gradient on some rank, a lost peer) 
 step on every rank: the engine puts its memory back as before the step, and the buckets
 DDP hands over after it, up to the last, fail with the same error without exchanging
 anything, so that nothing of the refused step is kept and every rank issues the same
-collectives.
+collectives. On a GPU the finiteness verdicts travel as device flags (reading one would
+make the host wait for the GPU, once per bucket): every bucket is exchanged, and the
+step's last bucket reads all the flags at once and fails the step there, with the same
+outcome (``GradientExchange.defer_verdicts``).
 """
 
 import threading

@@ -52,6 +52,7 @@ class ServerLink(Communicator):
     name = "parameter-server"
 
     checks_start = False  # no group of peers: the server has its own resume protocol
+    _host_only = True  # messages are read on the host anyway
 
     def __init__(self, channel: Channel, world_size: int, rank: int, replies: bool) -> None:
         super().__init__(world_size=world_size, rank=rank)
@@ -92,6 +93,7 @@ class WorkerFanIn(Communicator):
     name = "parameter-server"
 
     checks_start = False  # no group of peers: the server has its own resume protocol
+    _host_only = True  # messages are read on the host anyway
 
     def __init__(self, channels: Sequence[Channel], world_size: int, replies: bool) -> None:
         super().__init__(world_size=world_size, rank=-1)  # the server is no worker
