@@ -5,10 +5,15 @@ makes the host wait."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import thinwire
+from thinwire.comm import GradientItem
 from thinwire.comm.runs import plan_runs, split_flat
 from thinwire.compress import Slot, run_locally
 from thinwire.compress.dgc import DGC
@@ -244,3 +249,52 @@ def test_a_bucket_of_large_tensors_conserves_what_it_does_not_send() -> None:
         held = sum(m.accumulators[key].double() for m in memories) / 2
         torch.testing.assert_close(total_o + held, total_i, rtol=0, atol=1e-4)
         assert float(total_o.abs().sum()) > 1.0
+
+
+# -- a fixed number of operators per bucket, whatever its tensors ------------------------
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the non-view ATen operators run on this thread while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def operators_per_step(rank: int, world: int, method: str, options: dict, layers: int) -> int:
+    """One steady-state step's operators of ``layers`` large weights (300 x 300)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(300, 300) for _ in range(layers)])
+    opt = thinwire.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, method, **options
+    )
+    opt.engine.defer_verdicts = True  # as on a GPU
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step + rank))
+        buckets = [[GradientItem(n, p.grad, p) for n, p in bucket] for bucket in opt.buckets]
+        counter = CountOps()
+        with counter:
+            opt._exchange(buckets)
+    return counter.ops
+
+
+@pytest.mark.multiprocess
+def test_a_bucket_takes_no_more_operators_per_large_tensor_than_its_memory_needs(pool2) -> None:
+    """The host's work a GPU waits for: constant for ``none`` however many tensors a
+    bucket holds; for DGC's threshold selection, the selection and the exchange are
+    constant too, and what grows is three operators a tensor (the memory zeroes each
+    tensor's sent entries, whose indices are shifted into the tensor's own numbering)."""
+    none = {}
+    dgc = {"density": 0.01, "selection": "threshold", "warmup_steps": 0}
+    assert pool2.run(operators_per_step, "none", none, 3) == pool2.run(
+        operators_per_step, "none", none, 9
+    )
+    few = pool2.run(operators_per_step, "dgc", dgc, 3)
+    many = pool2.run(operators_per_step, "dgc", dgc, 9)
+    assert [m - f for f, m in zip(few, many, strict=True)] == [3 * 6, 3 * 6], (few, many)
