@@ -12,8 +12,9 @@ with random gradients, a world of one (gloo), ``thinwire.DistributedOptimizer`` 
 step's exchange runs on this thread under a dispatch mode that counts every ATen
 operator. Reported per compressor: operators per step (views apart: they launch no
 kernel), host reads (``_local_scalar_dense``: of a device value, a wait on a GPU; of a
-host value, such as a random offset, none), the most frequent operators, and the
-exchange's wall time here.
+host value, such as a random offset, none), the most frequent operators, and the median
+wall time of ``--timed`` more steps' exchanges on this thread alone (``--device cuda``:
+NCCL on a GPU), and that time per operator.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import collections
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,41 +57,59 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(method: str, options: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """One steady-state step's operators for ``method``."""
+def count(
+    method: str, options: dict[str, Any], warmup: int, device: torch.device, timed: int
+) -> dict[str, Any]:
+    """One steady-state step's operators for ``method``, and the median wall time of
+    ``timed`` more steps' exchanges run on this thread (no other thread competing)."""
     torch.manual_seed(0)
-    model = ResNet18(width=32)
+    model = ResNet18(width=32).to(device)
     opt = thinwire.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), model, method, **options
     )
     opt.engine.defer_verdicts = True  # as on a GPU: the step's verdicts read once
     generator = torch.Generator().manual_seed(1)
+    shapes = [p.shape for p in model.parameters()]
+    grads = [
+        [(torch.randn(s, generator=generator) * 1e-2).to(device) for s in shapes] for _ in range(2)
+    ]
 
-    def fill() -> list[list[thinwire.comm.GradientItem]]:
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=generator) * 1e-2
+    def fill(step: int) -> list[list[thinwire.comm.GradientItem]]:
+        for p, grad in zip(model.parameters(), grads[step % 2], strict=True):
+            p.grad = grad.clone()
         return [
             [thinwire.comm.GradientItem(name, p.grad, p) for name, p in bucket]
             for bucket in opt.buckets
         ]
 
-    for _ in range(warmup):
-        opt._exchange(fill())
-    items = fill()
+    for step in range(warmup):
+        opt._exchange(fill(step))
+    items = fill(warmup)
     counter = CountOps()
-    started = time.perf_counter()
     with counter:
         opt._exchange(items)
-    wall = time.perf_counter() - started
+    times = []
+    for step in range(timed):
+        items = fill(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        opt._exchange(items)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    ops = sum(counter.counts.values())
+    median_ms = statistics.median(times) * 1e3 if times else float("nan")
     return {
         "method": method,
         "options": options,
         "buckets": len(opt.buckets),
-        "ops": sum(counter.counts.values()),
+        "ops": ops,
         "views": counter.views,
         "host_reads": counter.counts["_local_scalar_dense"],
         "top": counter.counts.most_common(10),
-        "exchange_ms_here": wall * 1e3,
+        "exchange_ms": median_ms,
+        "us_per_op": median_ms * 1e3 / ops if ops else None,
     }
 
 
@@ -98,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(THINWIRE))
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timed", type=int, default=10, help="exchanges timed per method")
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
     parser.add_argument(
         "--variant",
         action="append",
@@ -115,18 +137,24 @@ def main(argv: list[str] | None = None) -> None:
         labels.append(label)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     rows = []
     try:
         for method in labels:
             name, options = VARIANTS[method] if method in VARIANTS else (method, THINWIRE[method])
-            row = count(name, options, args.warmup)
+            row = count(name, options, args.warmup, device, args.timed)
             row["label"] = method
             rows.append(row)
             top = ", ".join(f"{op} {n}" for op, n in row["top"][:5])
             print(
                 f"{method:<14} {row['ops']:5d} ops, {row['views']:4d} views, "
-                f"{row['host_reads']:3d} host reads  ({top})",
+                f"{row['host_reads']:3d} host reads, {row['exchange_ms']:.2f} ms "
+                f"({row['us_per_op']:.0f} us an operator)  ({top})",
                 flush=True,
             )
     finally:
@@ -137,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": "python bench/ops_per_step.py " + " ".join(argv or sys.argv[1:]),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "rows": rows,
         }
         args.out.write_text(json.dumps(record, indent=2) + "\n")
