@@ -116,6 +116,12 @@ def test_auto_takes_the_threshold_off_the_cpu_only() -> None:
         DGC(selection="fast")
 
 
+def test_the_selection_leaves_a_checkpoints_owner_unchanged() -> None:
+    # a DGC state saved before the option existed, or on a GPU, resumes on the CPU
+    assert repr(DGC()) == repr(DGC(selection="threshold")) == repr(DGC(selection="exact"))
+    assert "selection" not in repr(DGC())
+
+
 def test_two_ranks_average_what_each_sent_and_keep_the_rest() -> None:
     """Through the exchange and DGC's memory: what every step averaged plus what each
     rank still holds equals what the ranks put in (momentum 0), over many steps."""

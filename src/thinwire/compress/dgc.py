@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,7 +100,10 @@ class DGC(TopK):
     warmup_steps: int = 1000
     sample_fraction: float = 0.01
     seed: int = 0
-    selection: str = "auto"
+    #: not in the repr, which names a checkpoint's owner and what the ranks must agree
+    #: on: the selection keeps no state and sends the same k pairs either way (so a
+    #: checkpoint from before this option, or from a GPU run, resumes on the CPU)
+    selection: str = field(default="auto", repr=False)
 
     name = "dgc"
     summary = "Deep Gradient Compression: sampled top-k, momentum correction, warm-up"
