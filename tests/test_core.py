@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import thinwire
 from thinwire.cli import main
 from thinwire.compress import Slot, run_locally
-from thinwire.compress.base import all_finite
+from thinwire.compress.base import all_finite, not_finite_flag
 from thinwire.compress.bits import pack, packed_size, unpack
 from thinwire.compress.feedback import ResidualMemory
 
@@ -46,6 +46,32 @@ def test_all_finite_agrees_with_the_entrywise_check(
     for index, special in specials:
         tensor[index % size] = special
     assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 500), min_size=1, max_size=5),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), min_size=5, max_size=5
+    ),
+    special=st.one_of(
+        st.none(),
+        st.tuples(st.integers(0, 4), st.sampled_from([float("nan"), float("inf"), -float("inf")])),
+    ),
+    scale=st.sampled_from([1.0, 1e30, 3e38]),
+)
+def test_the_device_flag_agrees_with_the_entrywise_check(
+    sizes: list[int], dtypes: list[torch.dtype], special: tuple | None, scale: float
+) -> None:
+    """One flag for several tensors (mixed dtypes), as the GPU's once-a-step verdict."""
+    tensors = [
+        (torch.rand(n, generator=torch.Generator().manual_seed(n)) * scale).to(dtype)
+        for n, dtype in zip(sizes, dtypes, strict=False)
+    ]
+    if special is not None:
+        tensors[special[0] % len(tensors)][-1] = special[1]
+    expected = not all(bool(torch.isfinite(t).all()) for t in tensors)
+    assert bool(not_finite_flag(tensors)) == expected
 
 
 def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:

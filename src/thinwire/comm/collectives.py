@@ -40,7 +40,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from thinwire.comm.framing import frame, split_bytes
-from thinwire.compress.base import Aggregation, Compressor, Op, Request, all_finite
+from thinwire.compress.base import (
+    Aggregation,
+    Compressor,
+    Op,
+    Request,
+    all_finite,
+    not_finite_flag,
+)
 from thinwire.errors import CommunicationError, IncompatibleCompressorError, ThinwireError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -186,8 +193,8 @@ class AllReduceCommunicator(Communicator):
             traffic.add(
                 _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
             )
-            if self.lazy:
-                poisoned = poisoned | ~torch.isfinite(flat).all()
+            if self.lazy and flat.numel():
+                poisoned = poisoned | not_finite_flag([flat])
             else:
                 poisoned |= not all_finite(flat)
             pieces = iter(_split(flat, tensors))

@@ -280,12 +280,15 @@ class GradientExchange:
         own = (c is item.grad for c, item in zip(correcteds, items, strict=True))
         if whole is not None and not all(own):
             whole = None  # the memory compensated into tensors of its own
-        for planned in plan_runs(correcteds, compressed, self.compressor, whole):
+        planned_runs = plan_runs(correcteds, compressed, self.compressor, whole)
+        for planned in planned_runs:
             checks.add_together(planned.members, planned.tensor, planned.pieces)
-            batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
         if lazy:  # the verdict travels as a device flag, read once at the step's end
-            batch.poison, batch.checks = checks.verdict(), checks
+            batch.poison, batch.checks = checks.verdict(), checks  # before any run writes
             self._suspects.append(batch)
+        for planned in planned_runs:
+            batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
+        if lazy:
             return batch
         for i in checks.failed():  # before any round: a non-finite one poisons the first,
             batch.not_finite.append(items[i].key)  # and the step is rolled back

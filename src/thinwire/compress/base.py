@@ -368,21 +368,41 @@ def all_finite(tensor: Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
-class FiniteChecks:
-    """Which of several tensors hold a NaN or infinite entry, each checked when it is
-    :meth:`add`-ed (so nothing that writes it later can hide the entry).
+def not_finite_flag(tensors: Sequence[Tensor]) -> Tensor:
+    """Whether some value of the (non-empty, floating) ``tensors`` is NaN or infinite, as
+    a bool tensor on their device, not read back, in a fixed handful of kernels: their
+    largest magnitudes in one multi-tensor norm (a NaN or an infinity in a tensor makes
+    its norm so, and a maximum cannot overflow), then ``x - x != 0``, true only for a
+    value that is not finite."""
+    if len(tensors) == 1:
+        largest = torch.linalg.vector_norm(tensors[0], float("inf")).reshape(1)
+    else:
+        norms = torch._foreach_norm(list(tensors), float("inf"))
+        if len({t.dtype for t in norms}) > 1 or len({t.device for t in norms}) > 1:
+            norms = [t.float().to(norms[0].device) for t in norms]
+        largest = torch.stack(norms)
+    return (largest - largest).ne(0).any()
 
-    On the CPU a check is done at once (:func:`all_finite`). On a GPU (or everywhere, with
-    ``defer``) it is a device flag, read only when asked: :meth:`failed` reads them all in
-    one wait, and :meth:`verdict` combines them into one device flag without reading it,
-    so that an exchange can carry it (a poisoned payload) and the host learns the outcome
-    once per step. :meth:`add_together` checks several tensors that lie in one (flat or
-    stacked) tensor with one check, and looks at them one by one only when it fails."""
+
+class FiniteChecks:
+    """Which of several tensors hold a NaN or infinite entry.
+
+    On the CPU each tensor is checked when it is :meth:`add`-ed (:func:`all_finite`), so
+    nothing that writes it later can hide the entry. On a GPU a check per tensor is a
+    device flag and a few kernels; with ``defer`` the tensors are only noted, and
+    :meth:`verdict` checks all of them at once (their largest magnitudes in one
+    multi-tensor norm, a NaN or an infinity in any shows there) into one device flag that
+    is not read back, so that an exchange can carry it (a poisoned payload) and the host
+    learns the outcome once per step. Call :meth:`verdict` before anything writes the
+    tensors. :meth:`failed` names the failed ones (reading every check: for a refused
+    step). :meth:`add_together` checks several tensors that lie in one (flat or stacked)
+    tensor with one check, and looks at them one by one only when it fails."""
 
     def __init__(self, defer: bool = False) -> None:
         self._defer = defer
         self._failed: list[int] = []
         self._queued: dict[torch.device, list[tuple[list[int], Tensor, Callable]]] = {}
+        self._noted: list[tuple[list[int], Tensor, Callable]] = []
 
     def add(self, index: int, tensor: Tensor) -> None:
         """Check ``tensor`` (known as ``index``) as it is now."""
@@ -394,10 +414,14 @@ class FiniteChecks:
         """Check the tensors that ``pieces()`` returns (known as ``indices``), which are
         parts of (or copies of parts of) ``whole`` and are not written before
         :meth:`failed`; ``pieces`` is called only if ``whole`` is not finite."""
-        if whole.device.type == "cpu" and not self._defer:
+        if not whole.is_floating_point() or whole.numel() == 0:
+            return
+        if self._defer:
+            self._noted.append((list(indices), whole, pieces))
+        elif whole.device.type == "cpu":
             if not all_finite(whole):
                 self._failed += _not_finite(indices, pieces())
-        elif whole.is_floating_point() and whole.numel() > 0:
+        else:
             flag = torch.isfinite(whole).all()
             self._queued.setdefault(whole.device, []).append((list(indices), flag, pieces))
 
@@ -407,11 +431,14 @@ class FiniteChecks:
         if self._failed:
             return True
         flags = [flag for entries in self._queued.values() for _, flag, _ in entries]
-        if not flags:
+        bad = [~flag for flag in flags]
+        if self._noted:
+            bad.append(not_finite_flag([whole for _, whole, _ in self._noted]))
+        if not bad:
             return False
-        if len(self._queued) > 1:  # tensors on several devices: gather the flags on one
-            flags = [flag.to(flags[0].device) for flag in flags]
-        return ~torch.stack(flags).all()
+        if len({flag.device for flag in bad}) > 1:  # on several devices: gather on one
+            bad = [flag.to(bad[0].device) for flag in bad]
+        return torch.stack(bad).any() if len(bad) > 1 else bad[0]
 
     def failed(self) -> list[int]:
         """The indices of the tensors that were not finite, in increasing order."""
@@ -421,6 +448,9 @@ class FiniteChecks:
             for (indices, _, pieces), ok in zip(entries, finite, strict=True):
                 if not ok:
                     failed += _not_finite(indices, pieces())
+        for indices, whole, pieces in self._noted:
+            if not all_finite(whole):
+                failed += _not_finite(indices, pieces())
         return sorted(failed)
 
 
