@@ -219,7 +219,7 @@ def test_sparse_segments_send_each_tensors_own_top_k(name: str) -> None:
         assert torch.equal(piece.mean.reshape(-1), dense)  # one rank: what it sent
 
 
-@pytest.mark.parametrize("memory_kind", ["residual", "dgc"])
+@pytest.mark.parametrize("memory_kind", ["residual", "dgc", "dgc-masking"])
 def test_memories_compensate_a_bucket_as_one_tensor_at_a_time(memory_kind: str) -> None:
     """The multi-tensor compensate and update give the same bits as the loop."""
     from thinwire.compress.base import Exchanged
@@ -228,7 +228,7 @@ def test_memories_compensate_a_bucket_as_one_tensor_at_a_time(memory_kind: str) 
     def make() -> object:
         if memory_kind == "residual":
             return ResidualMemory()
-        return DGCMemory(momentum=0.9, weight_decay=0.01)
+        return DGCMemory(momentum=0.9, weight_decay=0.01, masking=memory_kind == "dgc-masking")
 
     gen = torch.Generator().manual_seed(8)
     params = [torch.randn(shape, generator=gen) for shape in [(5, 4), (3,), (2, 2, 2)]]

@@ -124,17 +124,36 @@ def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]]
         if outcome.sent_indices is not None:
             if outcome.sent_counts is None or len(outcome.sent_counts) != len(like):
                 raise ValueError("a run side by side reported sent indices without their counts")
-            starts = [0]
-            for size in sizes[:-1]:
-                starts.append(starts[-1] + size)
-            parts = outcome.sent_indices.split(outcome.sent_counts)
-            indices = [part - start for part, start in zip(parts, starts, strict=True)]
+            sent = outcome.sent_indices
+            # each index less its tensor's start, in one subtraction
+            shifts = _index_shifts(tuple(sizes), tuple(outcome.sent_counts), sent.device)
+            indices = list((sent - shifts).split(outcome.sent_counts))
         return [
             Exchanged(mean=m, local=lo, sent_indices=i)
             for m, lo, i in zip(means, locals_, indices, strict=True)
         ]
 
     return split
+
+
+_SHIFTS: dict[tuple[tuple[int, ...], tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _index_shifts(sizes: tuple[int, ...], counts: tuple[int, ...], device: torch.device) -> Tensor:
+    """Per sent index of a side-by-side run (``counts[i]`` of tensor ``i``), the start of
+    its tensor in the run; made once per layout and device (a copy from the host per step
+    would make a GPU's host wait)."""
+    key = (sizes, counts, device)
+    shifts = _SHIFTS.get(key)
+    if shifts is None:
+        starts, total = [], 0
+        for size, count in zip(sizes, counts, strict=True):
+            starts += [total] * count
+            total += size
+        if len(_SHIFTS) > 256:  # layouts change rarely; bound the cache all the same
+            _SHIFTS.clear()
+        shifts = _SHIFTS[key] = torch.tensor(starts, dtype=torch.int64).to(device)
+    return shifts
 
 
 def _split_stacked(count: int) -> Callable[[Exchanged], list[Exchanged]]:

@@ -259,11 +259,32 @@ class DGCMemory(Memory):
         torch._foreach_add_(vs, us)
         return vs
 
+    def update_many(
+        self,
+        correcteds: Sequence[Tensor],
+        sents: Sequence[Exchanged],
+        slots: Sequence[Slot],
+        compressed: bool,
+    ) -> None:
+        """:meth:`update` for a run: what was sent dense (a run of norms and biases)
+        subtracted in one multi-tensor operation, sparse sends zeroed one by one; the same
+        arithmetic."""
+        if not _uniform(correcteds):
+            super().update_many(correcteds, sents, slots, compressed)
+            return
+        _subtract_all_sent(correcteds, sents)
+        if self.masking and compressed:
+            for sent, slot in zip(sents, slots, strict=True):
+                self._mask(sent, slot)
+
     def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
         """Zero what was sent in ``v``; with masking, also in ``u`` (compressed tensors)."""
         _subtract_sent(corrected, sent)
-        if not (self.masking and compressed):
-            return
+        if self.masking and compressed:
+            self._mask(sent, slot)
+
+    def _mask(self, sent: Exchanged, slot: Slot) -> None:
+        """Momentum factor masking: zero the velocity ``u`` where ``v`` was sent."""
         u = self._buffers.current(slot.key)[0]
         if sent.sent_indices is not None:
             u.view(-1).index_fill_(0, sent.sent_indices, 0.0)
