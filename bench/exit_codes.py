@@ -34,9 +34,9 @@ def plain_ddp(source: str) -> str:
         r"engine = thinwire\.register\(.*?\)  # DGC.*?\n", "", source, count=1, flags=re.S
     )
     text = re.sub(r"    if rank == 0 and step % 20 == 19:\n(?:        .*\n)+", "", text)
-    text = text.replace(
-        '"thinwire": engine.full_state_dict()', '"thinwire": None'
-    ).replace('engine.load_state_dict(torch.load("quickstart-ckpt.pt")["thinwire"])', "pass")
+    text = text.replace('"thinwire": engine.full_state_dict()', '"thinwire": None').replace(
+        'engine.load_state_dict(torch.load("quickstart-ckpt.pt")["thinwire"])', "pass"
+    )
     text = text.replace("after {engine.step} steps", "")
     if "engine" in text.replace("engine = None", ""):
         raise RuntimeError("the quick start changed: update plain_ddp() to take thinwire out")

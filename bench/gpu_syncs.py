@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=256,
         help="layer width: 256 keeps every weight among the small tensors compressors take "
-        "side by side (65,536 values); 512 makes each weight a large one, alone",
+        "side by side (65,536 values); 512 makes each weight a large one (alone, but for "
+        "DGC's threshold selection, which takes large ones side by side too)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

@@ -189,9 +189,7 @@ def test_local_sgd_and_diloco_run_in_the_bench(tmp_path: Path) -> None:
     by = {r["method"]: r for r in run_bench(config, tmp_path)}
     # weights averaged after every step of SGD with momentum: DDP's updates (SGD is linear
     # in the gradient and its momentum buffer)
-    assert by["local-sgd"]["loss_history"] == pytest.approx(
-        by["dense"]["loss_history"], rel=1e-4
-    )
+    assert by["local-sgd"]["loss_history"] == pytest.approx(by["dense"]["loss_history"], rel=1e-4)
     # fp32 weights every third step: a third of DDP's bytes
     assert by["diloco"]["bytes_sent_per_step"] == pytest.approx(
         by["dense"]["bytes_sent_per_step"] / 3, rel=0.15
@@ -676,4 +674,3 @@ def test_unsynchronised_methods_are_timed_by_the_wall_clock() -> None:
     assert throughput_step_s({"method": "ps-sync", **timings}) == 1.0
     assert throughput_step_s({"method": "dga", **timings}) == 0.9
     assert throughput_step_s({"method": "ps-async", **timings}) == 0.9
-

@@ -164,6 +164,19 @@ def test_a_run_alone_matches_run_locally() -> None:
     torch.testing.assert_close(result.mean[sent], flat[sent], rtol=0, atol=0)
 
 
+def test_a_large_tensor_alone_in_its_run_takes_the_single_tensor_selection() -> None:
+    """A bucket with one large tensor: its run of one segment sends what the tensor's own
+    exchange sends (the selection ``bench/dgc_selection.py`` times)."""
+    flat = torch.randn(200_000, generator=torch.Generator().manual_seed(11))
+    slot = Slot("w", 0, 1)
+    one, other = (DGC(warmup_steps=0, density=0.01, selection="threshold") for _ in range(2))
+    alone = run_locally(one.exchange(flat, slot))
+    run = run_locally(other.exchange_segmented(flat, [flat.shape], [slot]))
+    assert run.sent_counts == [2000]
+    assert torch.equal(run.sent_indices, alone.sent_indices)
+    assert torch.equal(run.mean, alone.mean)
+
+
 def test_segments_send_each_tensors_own_largest() -> None:
     shapes = [torch.Size([300, 400]), torch.Size([70_000]), torch.Size([500, 300, 2])]
     sizes = [120_000, 70_000, 300_000]

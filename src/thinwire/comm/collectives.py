@@ -132,9 +132,6 @@ class Communicator(ABC):
                 "use communicator='allgather' (or 'auto')"
             )
 
-    #: whether the round under way is lazy (see :meth:`execute`)
-    lazy: bool = False
-
     def execute(
         self, requests: Sequence[Request], poison: bool | Tensor = False, lazy: bool = False
     ) -> RoundResult:
@@ -149,18 +146,16 @@ class Communicator(ABC):
                 raise IncompatibleCompressorError(
                     f"communicator {self.name!r} cannot execute a {request.op.value!r} request"
                 )
-        self.lazy = lazy
-        return self._execute(requests, bool(poison) if self._host_only else poison)
-
-    #: communicators whose ``_execute`` takes ``poison`` as a bool only
-    _host_only: bool = False
+        return self._execute(requests, poison, lazy)
 
     def _collective(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Call one ``torch.distributed`` collective; turn its failure into a clear error."""
         run_collective(f"a {self.name} collective", fn, *args, group=self.group, **kwargs)
 
     @abstractmethod
-    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult: ...
+    def _execute(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult: ...
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
@@ -175,7 +170,9 @@ class AllReduceCommunicator(Communicator):
         """Sums and maxima only."""
         return op in (Op.SUM, Op.MAX)
 
-    def _execute(self, requests: Sequence[Request], poison: bool | Tensor) -> RoundResult:
+    def _execute(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult:
         traffic = Traffic()
         answers: list[Any] = [None] * len(requests)
         poisoned: bool | Tensor = False
@@ -193,7 +190,7 @@ class AllReduceCommunicator(Communicator):
             traffic.add(
                 _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
             )
-            if self.lazy and flat.numel():
+            if lazy and flat.numel():
                 poisoned = poisoned | not_finite_flag([flat])
             else:
                 poisoned |= not all_finite(flat)
@@ -208,7 +205,9 @@ class AllGatherCommunicator(Communicator):
 
     name = "allgather"
 
-    def _execute(self, requests: Sequence[Request], poison: bool | Tensor) -> RoundResult:
+    def _execute(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult:
         tensors = [t for request in requests for t in request.tensors]
         device = tensors[0].device if tensors else control_device(self.group)
         own = frame(tensors, poison, device)
@@ -216,7 +215,7 @@ class AllGatherCommunicator(Communicator):
         self._gather(gathered, own)
         per_rank = gathered.view(self.world_size, own.numel())
         flags = per_rank[:, -1].any()
-        poisoned: bool | Tensor = flags if self.lazy else bool(flags)
+        poisoned: bool | Tensor = flags if lazy else bool(flags)
         traffic = _ring_allgather_traffic(own.numel(), self.world_size)
         # Decode every rank's tensors from its bytes, in request order.
         rank_tensors = [split_bytes(per_rank[r, :-1], tensors) for r in range(self.world_size)]

@@ -310,19 +310,23 @@ class GradientExchange:
             self._suspects.clear()
             return
         flags = [flag.reshape(()).to(self._verdicts[0].device) for flag in self._verdicts]
-        refused = bool(torch.stack(flags).any())
-        suspects, self._verdicts, self._suspects = self._suspects, [], []
-        if refused:
-            keys = [
-                batch.items[i].key
-                for batch in suspects
-                if batch.checks is not None
-                for i in batch.checks.failed()
-            ]
-            self._drop_step()
-            raise NonFiniteGradientError(
-                non_finite_message(self.step, self.rank, keys, self.compressor.name)
-            )
+        if bool(torch.stack(flags).any()):
+            self._refuse()
+        self._verdicts, self._suspects = [], []
+
+    def _refuse(self) -> None:
+        """Refuse a lazy step some rank's non-finite gradients poisoned: name this rank's
+        failed tensors (reading their checks), roll the step back, raise."""
+        keys = [
+            batch.items[i].key
+            for batch in self._suspects
+            if batch.checks is not None
+            for i in batch.checks.failed()
+        ]
+        self._drop_step()
+        raise NonFiniteGradientError(
+            non_finite_message(self.step, self.rank, keys, self.compressor.name)
+        )
 
     def _round(self, batches: Sequence[_Batch], fresh: _Batch | None) -> float:
         """Execute the pending request of every unfinished run of ``batches`` as one round
@@ -342,9 +346,8 @@ class GradientExchange:
         self._current.traffic.add(outcome.traffic)
         if isinstance(outcome.poisoned, Tensor):
             self._verdicts.append(outcome.poisoned)
-        elif outcome.poisoned and lazy:  # known on the host at once: no need to wait
-            self._verdicts.append(torch.ones((), dtype=torch.bool))
-            self._settle()
+        elif outcome.poisoned and lazy:  # a communicator that answered on the host
+            self._refuse()
         elif outcome.poisoned:
             keys = fresh.not_finite if fresh is not None else []
             raise NonFiniteGradientError(

@@ -48,6 +48,7 @@ from thinwire.compress.base import (
     Slot,
     check_fraction,
     is_integer,
+    num_selected,
 )
 from thinwire.compress.bits import ScratchBuffer
 from thinwire.compress.dgc_segments import ThresholdSegments, aim_below
@@ -194,15 +195,20 @@ class DGC(TopK):
         if all(math.prod(shape) <= SMALL for shape in shapes):
             return (yield from super().exchange_segmented(flat, shapes, slots))
         density = self.density_at(slots[0])
-        key = (tuple(shapes), density)
-        layout = self._threshold_layouts.get(key)
-        if layout is None:
-            layout = ThresholdSegments(shapes, density, self._threshold_stride)
-            self._threshold_layouts[key] = layout
-        offset = int(torch.randint(layout.offsets, (1,), generator=self.generator))
-        indices, values = layout.pick(flat, offset)
+        if len(shapes) == 1:  # a large tensor alone: the same selection without segments
+            ks = [num_selected(flat.numel(), density)]
+            indices, values = self.pick_by_threshold(flat, ks[0])
+        else:
+            key = (tuple(shapes), density)
+            layout = self._threshold_layouts.get(key)
+            if layout is None:
+                layout = ThresholdSegments(shapes, density, self._threshold_stride)
+                self._threshold_layouts[key] = layout
+            offset = int(torch.randint(layout.offsets, (1,), generator=self.generator))
+            indices, values = layout.pick(flat, offset)
+            ks = layout.ks
         mean = yield from gather_sparse(values, indices, flat, slots[0].world_size)
-        return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
+        return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=ks)
 
     def pick(self, flat: Tensor, k: int, slot: Slot) -> tuple[Tensor, Tensor]:
         """The ``k`` (index, value) pairs to send: :meth:`select`'s, or with the

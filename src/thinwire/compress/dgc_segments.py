@@ -72,7 +72,7 @@ class ThresholdSegments:
             "lengths": torch.tensor(sizes),
             "starts": torch.tensor(starts),
             "before": torch.tensor([max(s - 1, 0) for s in starts]),
-            "first": torch.tensor([float(s > 0) for s in starts]),
+            "first": torch.tensor([int(s > 0) for s in starts], dtype=torch.int32),
             "ks": torch.tensor(self.ks, dtype=torch.int32),
             "slot_starts": torch.tensor(slot_starts),
             "slot_segment": torch.repeat_interleave(
@@ -103,7 +103,7 @@ class ThresholdSegments:
         passed = magnitude >= each
         running = torch.cumsum(passed, 0, dtype=torch.int32)
         # passes before each segment (0 before the first), then each segment's last to keep
-        before = running.index_select(0, at["before"]) * at["first"].to(torch.int32)
+        before = running.index_select(0, at["before"]) * at["first"]
         limit = torch.repeat_interleave(before + at["ks"], at["lengths"], output_size=self.total)
         kept = passed & (running <= limit)
         found_at = torch.nonzero_static(kept, size=self.slots, fill_value=-1).view(-1)

@@ -269,9 +269,6 @@ class DGCMemory(Memory):
         """:meth:`update` for a run: what was sent dense (a run of norms and biases)
         subtracted in one multi-tensor operation, sparse sends zeroed one by one; the same
         arithmetic."""
-        if not _uniform(correcteds):
-            super().update_many(correcteds, sents, slots, compressed)
-            return
         _subtract_all_sent(correcteds, sents)
         if self.masking and compressed:
             for sent, slot in zip(sents, slots, strict=True):

@@ -80,7 +80,8 @@ class PowerSGD(Compressor):
         #: per group of stacked keys, the last step's stacked Q^T and the views of it that
         #: ``warm`` holds (while they are still the ones there, the stack is reused)
         self._stacked_warm: dict[str, tuple[Tensor, list[Tensor]]] = {}
-        #: per key, rows to refill dead rows of its warm start with on a GPU
+        #: per key (or stacked group), rows to refill dead rows of its warm start with on
+        #: a GPU
         self._spares: dict[str, Tensor] = {}
 
     def compresses(self, tensor: Tensor) -> bool:
@@ -122,9 +123,8 @@ class PowerSGD(Compressor):
         torch.bmm(pt.transpose(1, 2), qt_mean, out=mean)
         torch.bmm(pt.transpose(1, 2), qt_local, out=local)
         if qt_mean.device.type != "cpu":  # on a GPU without reading anything back
-            spares = torch.stack([self._spare(slot.key, qt_mean[0]) for slot in slots])
             dead = qt_mean.abs().amax(dim=2, keepdim=True) == 0
-            qt_mean = torch.where(dead, spares, qt_mean)
+            qt_mean = torch.where(dead, self._spare(group, qt_mean), qt_mean)
         elif bool((qt_mean.abs().amax(dim=2) == 0).any()):
             for i, slot in enumerate(slots):
                 self._revive(qt_mean[i], slot)
@@ -174,15 +174,19 @@ class PowerSGD(Compressor):
         return qt
 
     def _spare(self, key: str, like: Tensor) -> Tensor:
-        """Seeded random rows shaped as ``like`` for ``key``'s dead rows, made once per key
-        and shape on ``like``'s device (the same on every rank)."""
+        """Seeded random rows shaped as ``like`` for the dead rows of ``key`` (a tensor's
+        key, or a stacked group's), made once per key, shape, dtype and device (the same
+        on every rank)."""
         spare = self._spares.get(key)
-        if spare is None or spare.shape != like.shape or spare.device != like.device:
+        if spare is None or (spare.shape, spare.dtype, spare.device) != (
+            like.shape,
+            like.dtype,
+            like.device,
+        ):
             generator = torch.Generator().manual_seed(stable_seed(self.seed, key, "spare"))
             spare = torch.randn(like.shape, generator=generator, dtype=like.dtype)
-            spare = spare.to(device=like.device)
-            self._spares[key] = spare
-        return spare.to(like.dtype)
+            spare = self._spares[key] = spare.to(device=like.device)
+        return spare
 
     def _output_buffers(self, key: str, matrix: Tensor) -> tuple[Tensor, Tensor]:
         """The (mean, local) buffers of ``key``, reused across steps."""

@@ -64,7 +64,9 @@ class _LocalCommunicator(Communicator):
         """Everything when gathering; sums and maxima under all-reduce."""
         return self.kind != ALLREDUCE or op in (Op.SUM, Op.MAX)
 
-    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
+    def _execute(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult:
         if self.kind != ALLREDUCE:
             payload = sum(_nbytes(t) for r in requests for t in r.tensors)
             self.sent.append(Collective(self.kind, payload + 1))

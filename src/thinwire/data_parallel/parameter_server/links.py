@@ -52,7 +52,6 @@ class ServerLink(Communicator):
     name = "parameter-server"
 
     checks_start = False  # no group of peers: the server has its own resume protocol
-    _host_only = True  # messages are read on the host anyway
 
     def __init__(self, channel: Channel, world_size: int, rank: int, replies: bool) -> None:
         super().__init__(world_size=world_size, rank=rank)
@@ -60,8 +59,11 @@ class ServerLink(Communicator):
         self.replies = replies
         self.sends: list[tuple[Pending, Tensor]] = []
 
-    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
-        message = frame(_tensors(requests), poison)
+    def _execute(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult:
+        # messages are read on the host: the verdict is a bool (``lazy`` changes nothing)
+        message = frame(_tensors(requests), bool(poison))
         self.sends.append((self.channel.send(message), message))
         traffic = Traffic(payload=message.numel(), sent=message.numel(), collectives=1)
         if not self.replies:
@@ -93,7 +95,6 @@ class WorkerFanIn(Communicator):
     name = "parameter-server"
 
     checks_start = False  # no group of peers: the server has its own resume protocol
-    _host_only = True  # messages are read on the host anyway
 
     def __init__(self, channels: Sequence[Channel], world_size: int, replies: bool) -> None:
         super().__init__(world_size=world_size, rank=-1)  # the server is no worker
@@ -101,8 +102,10 @@ class WorkerFanIn(Communicator):
         self.active: list[int] = list(range(len(self.channels)))
         self.replies = replies
 
-    def _execute(self, requests: Sequence[Request], poison: bool) -> RoundResult:
-        tensors = _tensors(requests)
+    def _execute(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult:
+        tensors = _tensors(requests)  # the server has no gradients of its own to poison
         size = framed_size(tensors)
         buffers = [torch.empty(size, dtype=torch.uint8) for _ in self.active]
         receiving = [self.channels[w].recv(b) for w, b in zip(self.active, buffers, strict=True)]
