@@ -10,6 +10,7 @@ trainer = thinwire.parallelize(model, "auto", optimizer=..., example_inputs=(tok
 """
 
 from thinwire.auto import auto_plan, parallelize
+from thinwire.checkpoint import Checkpoints
 from thinwire.comm import GradientExchange, StepStats
 from thinwire.compress import Compressor, compressor, compressors, register_compressor
 from thinwire.data_parallel import (
@@ -22,6 +23,7 @@ from thinwire.data_parallel import (
     tapered_buckets,
 )
 from thinwire.errors import (
+    CheckpointError,
     CommunicationError,
     IncompatibleCompressorError,
     NonFiniteGradientError,
@@ -31,6 +33,8 @@ from thinwire.errors import (
 from thinwire.parallel import ModelLayout, ParallelPlan, ParallelTrainer
 
 __all__ = [
+    "CheckpointError",
+    "Checkpoints",
     "CommunicationError",
     "Compressor",
     "DelayedAveraging",

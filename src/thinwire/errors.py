@@ -21,3 +21,7 @@ class RankMismatchError(ThinwireError):
 
 class CommunicationError(ThinwireError):
     """A collective failed or timed out, usually because a peer rank died or stalled."""
+
+
+class CheckpointError(ThinwireError):
+    """A checkpoint could not be written, or is damaged or belongs to another setup."""

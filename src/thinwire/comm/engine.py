@@ -134,6 +134,11 @@ class GradientExchange:
         #: the step's verdicts not read yet (device flags), and the batches they cover
         self._verdicts: list[Tensor] = []
         self._suspects: list[_Batch] = []
+        #: per DDP bucket index, the order its gradients were last exchanged in (saved, so
+        #: that a resumed run's first step, on DDP's buckets before it rebuilds them, is
+        #: exchanged in the order the uninterrupted run used: sums in the same order)
+        self.bucket_orders: dict[int, list[str]] = {}
+        self.restored_bucket_orders: dict[int, list[str]] = {}
 
     # -- running exchanges ----------------------------------------------------------------
 
@@ -446,6 +451,7 @@ class GradientExchange:
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "owner": self._owner(),
+            "bucket_orders": {i: list(names) for i, names in self.bucket_orders.items()},
         }
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -481,6 +487,9 @@ class GradientExchange:
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
         self._origin = origin
+        orders = state.get("bucket_orders", {})
+        self.restored_bucket_orders = {int(i): list(names) for i, names in orders.items()}
+        self.bucket_orders = dict(self.restored_bucket_orders)
 
 
 def _means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:

@@ -7,12 +7,29 @@ FIFO thread keeps that order while the main thread goes on with the backward pas
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+#: how long the interpreter's exit waits for a worker's job under way (a collective that
+#: a dead peer never completes must not hold the exit for the group's whole timeout)
+EXIT_WAIT_S = 10.0
+
+_live: weakref.WeakSet[OrderedWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Let every worker finish its jobs and stop before the interpreter tears down: a
+    daemon thread still inside a collective while the process groups are destroyed can
+    abort the process (SIGABRT) instead of letting it exit with its own code."""
+    for worker in list(_live):
+        worker.close(timeout=EXIT_WAIT_S)
 
 
 class OrderedWorker:
@@ -24,6 +41,7 @@ class OrderedWorker:
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
         """Queue ``job``; the returned future holds its result or its exception."""
@@ -31,10 +49,12 @@ class OrderedWorker:
         self._jobs.put((job, future))
         return future
 
-    def close(self) -> None:
-        """Finish queued jobs and stop the thread."""
-        self._jobs.put(None)
-        self._thread.join()
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued jobs and stop the thread (waiting at most ``timeout`` s)."""
+        _live.discard(self)
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:

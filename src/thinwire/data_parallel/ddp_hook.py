@@ -54,31 +54,43 @@ class HookState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: the error that failed a bucket of the step under way (used on the exchange thread)
     failed: BaseException | None = None
-    #: per bucket index: (buffer address and size, parameter ids), views, items
-    layouts: dict[int, tuple[Any, list[torch.Tensor], list[GradientItem]]] = field(
+    #: per bucket index: (buffer address and size, parameter ids), views, items, and
+    #: whether the items are in the buffer's order (the buffer is then one flat run)
+    layouts: dict[int, tuple[Any, list[torch.Tensor], list[GradientItem], bool]] = field(
         default_factory=dict
     )
 
     def layout(
         self, bucket: dist.GradBucket, buffer: torch.Tensor
-    ) -> tuple[list[torch.Tensor], list[GradientItem]]:
-        """The views of ``buffer`` that are its parameters' gradients, and the engine's
-        items for them; kept per bucket while DDP hands the same buffer and parameters
-        (after its first step it rebuilds its buckets once, then keeps them)."""
+    ) -> tuple[list[torch.Tensor], list[GradientItem], bool]:
+        """The views of ``buffer`` that are its parameters' gradients, the engine's items
+        for them, and whether they are in the buffer's order; kept per bucket while DDP
+        hands the same buffer and parameters (after its first step it rebuilds its buckets
+        once, then keeps them). A run resumed from a checkpoint exchanges its first step's
+        buckets (DDP's first layout, before the rebuild) in the order the checkpoint's run
+        used, so that sums are taken in the same order: the same bits."""
         params = bucket.parameters()
+        index = bucket.index()
         signature = (buffer.data_ptr(), buffer.numel(), tuple(id(p) for p in params))
-        known = self.layouts.get(bucket.index())
+        known = self.layouts.get(index)
         if known is not None and known[0] == signature:
-            return known[1], known[2]
+            return known[1], known[2], known[3]
         views, offset = [], 0
         for param in params:
             views.append(buffer[offset : offset + param.numel()].view(param.shape))
             offset += param.numel()
-        items = [
-            GradientItem(self.names[id(p)], view, p) for p, view in zip(params, views, strict=True)
-        ]
-        self.layouts[bucket.index()] = (signature, views, items)
-        return views, items
+        names = [self.names[id(p)] for p in params]
+        order = list(range(len(params)))
+        restored = self.engine.restored_bucket_orders.pop(index, None)
+        if restored is not None and sorted(restored) == sorted(names):
+            position = {name: i for i, name in enumerate(restored)}
+            order.sort(key=lambda i: position[names[i]])
+        views = [views[i] for i in order]
+        items = [GradientItem(names[i], views[k], params[i]) for k, i in enumerate(order)]
+        in_buffer_order = order == sorted(order)
+        self.engine.bucket_orders[index] = [names[i] for i in order]
+        self.layouts[index] = (signature, views, items, in_buffer_order)
+        return views, items, in_buffer_order
 
     def earlier_failure(self, is_last: bool) -> BaseException | None:
         """The error that failed an earlier bucket of this step, if one did: this bucket
@@ -174,7 +186,8 @@ def compressed_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average one bucket through the engine, asynchronously."""
     buffer = bucket.buffer()
-    views, items = state.layout(bucket, buffer)
+    views, items, in_buffer_order = state.layout(bucket, buffer)
+    whole = buffer if in_buffer_order else None
     is_last = bucket.is_last()
     engine = state.engine
     if not state.fuse_rounds:
@@ -184,11 +197,11 @@ def compressed_hook(
             if earlier is not None:
                 raise earlier
             try:
-                ((_, means),) = engine.exchange_bucket(items, last=is_last, whole=buffer)
+                ((_, means),) = engine.exchange_bucket(items, last=is_last, whole=whole)
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
-            return _into_bucket(buffer, views, means)
+            return _into_bucket(buffer, views, means, in_buffer_order)
 
         return _for_ddp(engine.submit(job))
 
@@ -208,13 +221,18 @@ def compressed_hook(
         try:
             try:
                 finished = engine.exchange_bucket(
-                    items, (views, buffer, future), last=is_last, fuse=True, whole=buffer
+                    items,
+                    (views, buffer, future, in_buffer_order),
+                    last=is_last,
+                    fuse=True,
+                    whole=whole,
                 )  # with the last bucket, the step is closed before any future resolves
             except BaseException as error:
                 state.fail(error, is_last)
                 raise
-            results = [_into_bucket(buf, done, means) for (done, buf, _), means in finished]
-            for (_, _, done_future), result in zip((t for t, _ in finished), results, strict=True):
+            results = [_into_bucket(b, v, means, o) for (v, b, _, o), means in finished]
+            tokens = (token for token, _ in finished)
+            for (_, _, done_future, _), result in zip(tokens, results, strict=True):
                 with state.lock:
                     state.waiting.remove(done_future)
                 done_future.set_result(result)
@@ -229,11 +247,13 @@ def compressed_hook(
     return _for_ddp(future)
 
 
-def _into_bucket(buffer: torch.Tensor, views: list[torch.Tensor], means: Any) -> torch.Tensor:
+def _into_bucket(
+    buffer: torch.Tensor, views: list[torch.Tensor], means: Any, in_buffer_order: bool
+) -> torch.Tensor:
     """What DDP gets for a bucket: the engine's flat mean itself when it covers the bucket
-    (DDP copies it into the gradients, as it does the result of its own all-reduce), else
-    ``buffer`` with each mean copied into its view."""
-    flat = getattr(means, "flat", None)
+    in the buffer's order (DDP copies it into the gradients, as it does the result of its
+    own all-reduce), else ``buffer`` with each mean copied into its view."""
+    flat = getattr(means, "flat", None) if in_buffer_order else None
     if flat is not None and flat.shape == buffer.shape and flat.dtype == buffer.dtype:
         return flat
     for view, mean in zip(views, means, strict=True):
