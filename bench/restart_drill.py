@@ -19,11 +19,14 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +65,8 @@ def agent_commands(
             "--nnodes", str(len(cluster.hosts)), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-id", run_id,
             "--rdzv-endpoint", f"{cluster.master_address}:{port}",
-            "--rdzv-conf", f"is_host={int(host.rank == 0)}", "--local-addr", host.address,
+            "--rdzv-conf", f"is_host={int(host.rank == 0)},read_timeout=300",
+            "--local-addr", host.address,
         ]  # fmt: skip
         host_env = {**env, "GLOO_SOCKET_IFNAME": host.interface}
         commands.append((["ip", "netns", "exec", host.namespace, *run, *rendezvous, *script],
@@ -97,10 +101,30 @@ def stop_agents(agents: list[subprocess.Popen], work: Path) -> list[int]:
     return [agent.wait() for agent in agents]
 
 
+@dataclass
+class Trigger:
+    """Something done once during a run: when rank ``rank`` of the first attempt reaches
+    step ``step``, ``act`` is called with its progress (pid, step) and returns a record."""
+
+    rank: int
+    step: int
+    act: Callable[[dict[str, int]], dict[str, Any]]
+
+
+def kill_at(rank: int, step: int) -> Trigger:
+    """SIGKILL rank ``rank`` when it reaches ``step``."""
+
+    def kill(where: dict[str, int]) -> dict[str, Any]:
+        os.kill(where["pid"], signal.SIGKILL)
+        return {"rank": rank, "step": where["step"], "pid": where["pid"]}
+
+    return Trigger(rank, step, kill)
+
+
 def one_run(
-    args: argparse.Namespace, cluster: Any, kill: tuple[int, int] | None, index: int
+    args: argparse.Namespace, cluster: Any, trigger: Trigger | None, index: int
 ) -> dict[str, Any]:
-    """One job (killing rank ``kill[0]`` at step ``kill[1]``, if given): its outcome."""
+    """One job (with ``trigger`` pulled on the way, if given): its outcome."""
     with tempfile.TemporaryDirectory(prefix="thinwire-drill-") as folder:
         work = Path(folder)
         (work / "progress").mkdir()
@@ -112,18 +136,17 @@ def one_run(
             subprocess.Popen(c, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             for (c, e), log in zip(commands, logs, strict=True)
         ]
-        killed: dict[str, int] | None = None
+        event: dict[str, Any] | None = None
         timed_out = False
         try:
             while any(a.poll() is None for a in agents):
                 if time.monotonic() - began > args.timeout:
                     timed_out = True
                     break
-                if kill is not None and killed is None:
-                    where = read_progress(work / "progress").get(kill[0])
-                    if where and where["restarts"] == 0 and where["step"] >= kill[1]:
-                        os.kill(where["pid"], signal.SIGKILL)
-                        killed = {"rank": kill[0], "step": where["step"], "pid": where["pid"]}
+                if trigger is not None and event is None:
+                    where = read_progress(work / "progress").get(trigger.rank)
+                    if where and where["restarts"] == 0 and where["step"] >= trigger.step:
+                        event = {"at": time.time(), **trigger.act(where)}
                 time.sleep(0.01)
         finally:
             codes = stop_agents(agents, work)
@@ -134,8 +157,8 @@ def one_run(
             "exit_codes": codes,
             "timed_out": timed_out,
             "wall_s": round(wall_s, 1),
-            "kill_target": None if kill is None else {"rank": kill[0], "step": kill[1]},
-            "killed": killed,
+            "target": None if trigger is None else {"rank": trigger.rank, "step": trigger.step},
+            "event": event,
         }
         final = work / "final.pt"
         if final.exists():
@@ -148,6 +171,11 @@ def one_run(
             for log in logs
             for line in log.splitlines()
             if "resuming at step" in line
+        ]
+        outcome["failures"] = [  # what each rank raised, and when (examples/restartable.py)
+            {"rank": int(m[1]), "at": float(m[2]), "error": m[3][:200]}
+            for log in logs
+            for m in re.finditer(r"rank (\d+) failed at ([\d.]+): (.*)", log)
         ]
         if any(codes) or timed_out or not final.exists():
             outcome["log_tail"] = [log[-3000:] for log in logs]
@@ -172,13 +200,13 @@ def drill(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         print(f"{method}: reference exit {reference['exit_codes']} in {reference['wall_s']} s",
               flush=True)  # fmt: skip
         for repeat in range(args.repeats):
-            target = (rng.randrange(args.ranks), rng.randrange(3, args.steps - 3))
+            target = kill_at(rng.randrange(args.ranks), rng.randrange(3, args.steps - 3))
             outcome = one_run(args, cluster, target, index)
             index += 1
             exact = "weights" in outcome and "weights" in reference
             outcome["bit_exact"] = exact and same_weights(outcome["weights"], reference["weights"])
             outcome["finished"] = not any(outcome["exit_codes"]) and "weights" in outcome
-            print(f"{method} {repeat + 1}/{args.repeats}: killed {outcome['killed']}, "
+            print(f"{method} {repeat + 1}/{args.repeats}: killed {outcome['event']}, "
                   f"attempts started at steps {outcome.get('starts')}, "
                   f"exit {outcome['exit_codes']}, bit-exact {outcome['bit_exact']}, "
                   f"{outcome['wall_s']} s", flush=True)  # fmt: skip

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -67,18 +68,22 @@ if rank == 0:
     print(f"restart {restarts}: resuming at step {start}", flush=True)
 
 loss_fn = torch.nn.CrossEntropyLoss()
-for step in range(start, args.steps):
-    if args.progress:  # for the drill: who is where (written before the step's exchange)
-        Path(args.progress, f"rank{rank}.json").write_text(
-            json.dumps({"pid": os.getpid(), "step": step, "restarts": restarts})
-        )
-    draw = torch.Generator().manual_seed(rank * 100_003 + step)
-    batch = torch.randint(len(y), (32,), generator=draw)
-    stepper.zero_grad()
-    loss_fn(model(x[batch]), y[batch]).backward()
-    stepper.step()
-    if (step + 1) % args.every == 0:
-        checkpoints.save(step + 1, model=model, optimizer=opt, thinwire=front_end)
+try:
+    for step in range(start, args.steps):
+        if args.progress:  # for the drill: who is where (written before the step's exchange)
+            Path(args.progress, f"rank{rank}.json").write_text(
+                json.dumps({"pid": os.getpid(), "step": step, "restarts": restarts})
+            )
+        draw = torch.Generator().manual_seed(rank * 100_003 + step)
+        batch = torch.randint(len(y), (32,), generator=draw)
+        stepper.zero_grad()
+        loss_fn(model(x[batch]), y[batch]).backward()
+        stepper.step()
+        if (step + 1) % args.every == 0:
+            checkpoints.save(step + 1, model=model, optimizer=opt, thinwire=front_end)
+except Exception as error:  # say when and what, for whoever reads the logs; torchrun restarts
+    print(f"rank {rank} failed at {time.time():.3f}: {type(error).__name__}: {error}", flush=True)
+    raise
 
 if args.method == "delayed":
     front_end.flush()  # the corrections still in flight: every rank ends on the same weights

@@ -57,6 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _cluster(args: argparse.Namespace) -> int:
     from thinwire.cluster import ClusterError, EmulatedCluster, list_namespaces
+    from thinwire.cluster.faults import FaultError
 
     console = Console()
     try:
@@ -81,6 +82,11 @@ def _cluster(args: argparse.Namespace) -> int:
             console.print(f"exit codes by rank: {codes}")
             worst = max(codes, key=abs)
             return 128 - worst if worst < 0 else worst  # killed by signal N: 128 + N
+        elif args.action == "fault":
+            EmulatedCluster.attach(args.tag).fault(
+                args.host, down=args.down, loss=args.loss, rate=args.rate, clear=args.clear
+            )
+            console.print(f"host {args.host}: fault applied")
         elif args.action == "down":
             EmulatedCluster.attach(args.tag).down()
             console.print("cluster removed")
@@ -88,7 +94,7 @@ def _cluster(args: argparse.Namespace) -> int:
             console.print(f"thinwire namespaces: {', '.join(list_namespaces()) or 'none'}")
             with contextlib.suppress(ClusterError):
                 console.print(EmulatedCluster.attach(args.tag).describe())
-    except (ClusterError, ValueError) as error:
+    except (ClusterError, FaultError, ValueError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 2
     return 0
@@ -221,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = actions.add_parser("run", help="run CMD as every rank: thinwire cluster run -- CMD")
     run.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    fault = actions.add_parser("fault", help="break a host's link while the cluster runs")
+    fault.add_argument("--host", type=int, required=True, help="which host (0 ..)")
+    fault.add_argument("--down", default=None, help="drop every packet for this long, e.g. 5s")
+    fault.add_argument("--loss", type=float, default=None, help="share of packets lost, e.g. 0.01")
+    fault.add_argument("--rate", default=None, help="another downlink rate, e.g. 10mbit")
+    fault.add_argument("--clear", action="store_true", help="undo the host's faults")
     actions.add_parser("down", help="remove the cluster")
     actions.add_parser("status", help="show the cluster and thinwire's namespaces")
     for action in actions.choices.values():

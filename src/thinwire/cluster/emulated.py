@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from thinwire.cluster.faults import fault_order, send_fault
 from thinwire.cluster.forwarder import ForwarderConfig
 from thinwire.cluster.ranks import check_ranks_per_host, rank_env, run_ranks
 from thinwire.cluster.tun import NETNS_DIR
@@ -188,6 +189,7 @@ class EmulatedCluster:
             namespaces=[h.namespace for h in self.hosts],
             watch_stdin=not daemon,
             buffer_bytes=self.port_buffer_bytes,
+            control_path=str(self.control_path),
         )
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         log = open(STATE_DIR / f"{self.tag}.log", "wb")  # noqa: SIM115 - handed to the child
@@ -209,6 +211,24 @@ class EmulatedCluster:
                 self.forwarder.wait(timeout=10)
             errors = (STATE_DIR / f"{self.tag}.log").read_text(errors="replace")[-2000:]
             raise ClusterError(f"the cluster's forwarder did not start:\n{errors}")
+
+    @property
+    def control_path(self) -> Path:
+        """The forwarder's socket for faults (:mod:`thinwire.cluster.faults`)."""
+        return STATE_DIR / f"{self.tag}.faults"
+
+    def fault(
+        self,
+        host: int,
+        down: str | float | None = None,
+        loss: float | None = None,
+        rate: str | float | None = None,
+        clear: bool = False,
+    ) -> None:
+        """Break host ``host``'s link while the cluster runs: ``down`` for a duration,
+        ``loss`` (a share of packets), another downlink ``rate``; ``clear`` undoes all."""
+        order = fault_order(host, len(self.hosts), down, loss, rate, clear)
+        send_fault(self.control_path, order)
 
     def _device(self, host: Host) -> str:
         return f"tw{self.tag}h{host.rank}"

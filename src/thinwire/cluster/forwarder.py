@@ -17,6 +17,11 @@ FIFO the acknowledgements (and gloo's small ready messages) would wait behind th
 data, slowing every ring step. Packets for unknown addresses (not IPv4, not a host) are
 dropped.
 
+Faults (``thinwire cluster fault``, :meth:`EmulatedCluster.fault`) arrive as JSON datagrams
+on a Unix socket (``control_path``): a host's link down for some seconds (every packet it
+sends or that is sent to it is dropped), a packet loss rate on its link, or another rate
+for its downlink; each is answered with ``ok`` or the reason it was refused.
+
 Run by :class:`thinwire.cluster.EmulatedCluster`, never by hand:
 ``python -m thinwire.cluster.forwarder CONFIG_JSON``. It creates the TUN devices, prints
 ``ready``, forwards until SIGTERM/SIGINT (or end of standard input, when its owner holds a
@@ -31,8 +36,10 @@ import contextlib
 import heapq
 import json
 import os
+import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +59,7 @@ class ForwarderConfig:
     ``namespaces``: network namespaces to delete when the forwarder exits.
     ``watch_stdin``: exit when standard input closes (the owner died or let go).
     ``buffer_bytes``: each switch port's buffer; packets beyond it are dropped.
+    ``control_path``: the Unix datagram socket that takes faults (``None``: no faults).
     """
 
     devices: list[str]
@@ -61,10 +69,21 @@ class ForwarderConfig:
     namespaces: list[str] = field(default_factory=list)
     watch_stdin: bool = True
     buffer_bytes: int = 256 * 1024
+    control_path: str | None = None
 
     def to_json(self) -> str:
         """The config as one JSON argument."""
         return json.dumps(self.__dict__)
+
+
+@dataclass
+class LinkFault:
+    """What is wrong with one host's link: down until a time (monotonic seconds), a share
+    of its packets lost, another downlink rate (``None``: the cluster's)."""
+
+    down_until: float = 0.0
+    loss: float = 0.0
+    rate_bps: float | None = None
 
 
 class Downlink:
@@ -127,6 +146,9 @@ class Switch:
         self.latency_s = latency_s
         self.seconds_per_byte = 8.0 / rate_bps if rate_bps else 0.0
         self.ports = {fd: Downlink(buffer_bytes) for fd in fds}
+        self.fds = list(fds)
+        self.faults: dict[int, LinkFault] = {}
+        self.chance = random.Random(0)
         self.events: list[tuple[float, int, int, int, int, bytes]] = []
         self.sequence = 0
         self.forwarded = 0
@@ -146,10 +168,43 @@ class Switch:
             destination = (
                 self.routes.get(packet[16:20]) if packet[:1] and packet[0] >> 4 == 4 else None
             )
-            if destination is None:
+            if destination is None or self._lost(fd, now) or self._lost(destination, now):
                 self.dropped += 1
                 continue
             self._push(now + self.latency_s, self.ARRIVE, destination, fd, packet)
+
+    def _lost(self, fd: int, now: float) -> bool:
+        """Whether a packet from or to ``fd``'s host is lost now (its link down, or its
+        loss rate drawn)."""
+        fault = self.faults.get(fd)
+        if fault is None:
+            return False
+        return now < fault.down_until or (fault.loss > 0 and self.chance.random() < fault.loss)
+
+    def _seconds_per_byte(self, fd: int) -> float:
+        fault = self.faults.get(fd)
+        if fault is not None and fault.rate_bps is not None:
+            return 8.0 / fault.rate_bps
+        return self.seconds_per_byte
+
+    def apply(self, order: dict, now: float) -> str:
+        """Apply one fault order (``{"host": i, "down_s": .., "loss": .., "rate_bps": ..}``
+        or ``{"host": i, "clear": true}``); ``"ok"`` or why it was refused."""
+        host = order.get("host")
+        if not isinstance(host, int) or not 0 <= host < len(self.fds):
+            return f"error: host must be 0 to {len(self.fds) - 1}, got {host!r}"
+        fd = self.fds[host]
+        if order.get("clear"):
+            self.faults.pop(fd, None)
+            return "ok"
+        fault = self.faults.setdefault(fd, LinkFault())
+        if order.get("down_s") is not None:
+            fault.down_until = now + float(order["down_s"])
+        if order.get("loss") is not None:
+            fault.loss = float(order["loss"])
+        if order.get("rate_bps") is not None:
+            fault.rate_bps = float(order["rate_bps"])
+        return "ok"
 
     def deliver_due(self, now: float) -> None:
         """Process every event whose time has come."""
@@ -157,7 +212,7 @@ class Switch:
             when, _, kind, destination, sender, packet = heapq.heappop(self.events)
             port = self.ports[destination]
             if kind == self.ARRIVE:
-                if not self.seconds_per_byte:
+                if not self._seconds_per_byte(destination):
                     self._write(destination, packet)
                 elif not port.enqueue(sender, packet):
                     self.dropped += 1
@@ -173,7 +228,7 @@ class Switch:
         packet = port.next_packet()
         if packet is not None:
             port.busy = True
-            done = when + len(packet) * self.seconds_per_byte
+            done = when + len(packet) * self._seconds_per_byte(destination)
             self._push(done, self.SENT, destination, 0, packet)
 
     def _write(self, destination: int, packet: bytes) -> None:
@@ -213,6 +268,9 @@ def serve(config: ForwarderConfig) -> None:
         stdin = sys.stdin.fileno()
         if config.watch_stdin:
             poller.register(stdin, select.EPOLLIN | select.EPOLLHUP)
+        control = _control_socket(config.control_path)
+        if control is not None:
+            poller.register(control.fileno(), select.EPOLLIN)
         print("ready", flush=True)
         while not stopping:
             wait = switch.next_due(time.monotonic())
@@ -226,13 +284,47 @@ def serve(config: ForwarderConfig) -> None:
                     if not os.read(stdin, 4096):
                         stopping = True
                     continue
+                if control is not None and fd == control.fileno():
+                    _answer(control, switch, now)
+                    continue
                 switch.receive(fd, now)
             switch.deliver_due(time.monotonic())
     finally:
+        if config.control_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(config.control_path)
         for fd in fds:
             os.close(fd)
         for namespace in config.namespaces:
             subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, check=False)
+
+
+def _control_socket(path: str | None) -> socket.socket | None:
+    if path is None:
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    control.bind(path)
+    control.setblocking(False)
+    return control
+
+
+def _answer(control: socket.socket, switch: Switch, now: float) -> None:
+    """Apply each fault order waiting on ``control`` and answer its sender."""
+    while True:
+        try:
+            data, sender = control.recvfrom(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        try:
+            answer = switch.apply(json.loads(data), now)
+        except (ValueError, TypeError) as error:
+            answer = f"error: {error}"
+        print(f"{time.time():.3f} fault {data.decode(errors='replace')}: {answer}", file=sys.stderr)
+        if sender:
+            with contextlib.suppress(OSError):
+                control.sendto(answer.encode(), sender)
 
 
 def main() -> None:

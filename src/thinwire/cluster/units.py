@@ -33,8 +33,9 @@ def parse_rate(text: str | float | None) -> float | None:
     return value
 
 
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``"1ms"``, ``"50ms"``, ``"200us"``, ``"0"`` or a number of seconds."""
+def parse_duration(text: str | float, what: str = "latency", most_s: float = 10.0) -> float:
+    """Seconds from ``"1ms"``, ``"50ms"``, ``"200us"``, ``"5s"``, ``"0"`` or a number of
+    seconds; ``what`` names the value in errors, which refuse more than ``most_s``."""
     if isinstance(text, (int, float)):
         value = float(text)
     elif text.strip() == "0":
@@ -43,12 +44,12 @@ def parse_duration(text: str | float) -> float:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
         if not match or match.group(2) not in _TIME_UNITS:
             raise ValueError(
-                f"latency {text!r} is not understood; write a number and a unit, e.g. 1ms, "
-                f"50ms, 200us (units: {', '.join(_TIME_UNITS)})"
+                f"{what} {text!r} is not understood as a duration; write a number and a unit, "
+                f"e.g. 1ms, 50ms, 200us, 5s (units: {', '.join(_TIME_UNITS)})"
             )
         value = float(match.group(1)) * _TIME_UNITS[match.group(2)]
-    if not 0 <= value <= 10:
-        raise ValueError(f"latency must be between 0 and 10 s, got {text!r}")
+    if not 0 <= value <= most_s:
+        raise ValueError(f"{what} must be between 0 and {most_s:g} s, got {text!r}")
     return value
 
 
