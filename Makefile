@@ -32,12 +32,8 @@ setup: $(STAMP)
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# two pytest-xdist workers: a module's tests stay together (its process pools are spawned
-# once), the modules that bring emulated clusters up share one worker (tests/conftest.py)
-TEST_WORKERS ?= 2
-
 test: setup lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/thinwire demo

@@ -14,26 +14,6 @@ from thinwire.launch import LocalPool, free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-#: modules that bring emulated clusters up (network namespaces) and count what is left of
-#: them afterwards: under pytest-xdist they run in one worker, one after another
-CLUSTER_MODULES = {
-    "test_bench",
-    "test_cluster",
-    "test_hybrid_sleep",
-    "test_link_faults",
-    "test_plan_spec",
-    "test_private_loopback",
-}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """For ``pytest -n N --dist loadgroup`` (``make test``): a module's tests stay in one
-    worker, so its process pools are spawned once; the cluster modules share one worker."""
-    for item in items:
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-        item.add_marker(pytest.mark.xdist_group("cluster" if module in CLUSTER_MODULES else module))
-
 
 class RestartingPool:
     """A :class:`LocalPool` that is started on first use and restarted after a failure,

@@ -5,15 +5,14 @@ optimizer wrapper) over the ranks. For every tensor it compensates with the erro
 memory, starts the compressor's exchange protocol (or the dense one for tensors the
 compressor declines), then drives all protocols in lock-step: each round's requests go to
 the communicator together, one collective per kind (with :meth:`exchange_fused`, with the
-next rounds of the buckets before it). Afterwards the memory keeps what was not sent. It
-keeps the step counter, statistics and checkpoint state, and owns the exchange thread.
+next rounds of the buckets before it). The memory keeps what was not sent; the engine keeps
+the step, statistics and checkpoint state, and owns the exchange thread.
 
 A rank whose gradients are not finite poisons its first round, so every rank learns of it
 from the same collective, and the step is refused on every rank: the memory and the
 compressor go back to where they were before it. On the CPU each round's verdict is read
-at once. On a GPU (:attr:`GradientExchange.defer_verdicts`) a read would make the host
-wait for the GPU, so the verdicts stay device flags until the step's last exchange reads
-them all in one wait (the step is then undone as a whole): one host wait per step.
+at once; on a GPU (:attr:`GradientExchange.defer_verdicts`) they stay device flags until
+the step's last exchange reads them all in one wait: one host wait per step.
 """
 
 from __future__ import annotations
@@ -134,9 +133,7 @@ class GradientExchange:
         #: the step's verdicts not read yet (device flags), and the batches they cover
         self._verdicts: list[Tensor] = []
         self._suspects: list[_Batch] = []
-        #: per DDP bucket index, the order its gradients were last exchanged in (saved, so
-        #: that a resumed run's first step, on DDP's buckets before it rebuilds them, is
-        #: exchanged in the order the uninterrupted run used: sums in the same order)
+        #: per DDP bucket, its last exchange's order (saved: a resumed first step keeps it)
         self.bucket_orders: dict[int, list[str]] = {}
         self.restored_bucket_orders: dict[int, list[str]] = {}
 
@@ -487,9 +484,8 @@ class GradientExchange:
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
         self._origin = origin
-        orders = state.get("bucket_orders", {})
-        self.restored_bucket_orders = {int(i): list(names) for i, names in orders.items()}
-        self.bucket_orders = dict(self.restored_bucket_orders)
+        orders = {int(i): list(names) for i, names in state.get("bucket_orders", {}).items()}
+        self.restored_bucket_orders, self.bucket_orders = orders, dict(orders)
 
 
 def _means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:
