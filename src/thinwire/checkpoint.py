@@ -196,14 +196,15 @@ class Checkpoints:
                 "objects": sorted(objects),
             }
             write_atomically(folder / f"{_rank_name(self.rank)}.json", json.dumps(record).encode())
-        except OSError as error:
+        except Exception as error:  # every rank must hear of it, or the others would hang
             failure = error
         failed = self._ranks_failing(failure is not None)
         if failed:
             raise CheckpointError(
                 f"the checkpoint of step {step} in {self.directory} was not written by rank(s) "
                 f"{failed}" + (f" (here: {failure})" if failure else "") + "; the previous "
-                "checkpoint stays the newest. Check the disk space and permissions there."
+                "checkpoint stays the newest. Check the disk space and permissions there (and "
+                "that every object's state_dict() can be pickled)."
             ) from failure
         committed = folder / f"{_rank_name(self.rank)}.committed"
         write_atomically(committed, b"")  # every rank wrote its part of this step
