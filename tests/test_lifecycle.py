@@ -109,13 +109,14 @@ def test_ranks_that_raise_while_exchanging_exit_with_their_error_not_an_abort(
 ) -> None:
     """A rank raising with delayed averaging's corrections in flight exits with Python's
     code 1. Without thinwire closing its exchange threads at exit, both ranks aborted
-    (SIGABRT, "terminate called without an active exception") in 10 of 10 runs."""
+    (SIGABRT, "terminate called without an active exception") in 10 of 10 runs, so one run
+    tells."""
     import json
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "exits.json"
-    command = [sys.executable, str(root / "bench" / "exit_on_error.py"), "--runs", "2",
+    command = [sys.executable, str(root / "bench" / "exit_on_error.py"), "--runs", "1",
                "--out", str(out)]  # fmt: skip
     subprocess.run(command, check=True, timeout=110, capture_output=True)
     result = json.loads(out.read_text())
-    assert result["exit_codes"] == {"1": 4}, result["not_python_exit"]
+    assert result["exit_codes"] == {"1": 2}, result["not_python_exit"]
