@@ -10,7 +10,8 @@
 Every object with ``state_dict()``/``load_state_dict()`` can be named: the model, its
 optimizer, and whatever thinwire front end holds state (the DDP hook's engine,
 ``DistributedOptimizer``, ``DelayedAveraging`` (flushed first), ``DiLoCo``,
-``ParameterServer``, sparse embedding tables, ``ParallelTrainer``). thinwire's state is
+``ParameterServer``; sparse embedding tables through the model and its optimizer).
+``ParallelTrainer`` keeps its own ``save``/``load`` through DCP. thinwire's state is
 per rank (error feedback, momenta, warm starts, shards), so each rank writes its own file,
 ``step-00000050/rank-00003.pt``, and beside it a record ``rank-00003.json`` of its size and
 SHA-256. Both are written under temporary names, flushed to disk and renamed into place,
@@ -270,10 +271,15 @@ class Checkpoints:
             return None
         return record if isinstance(record, dict) and record.get("format") == FORMAT else None
 
+    def _records(self) -> dict[int, dict[str, Any]]:
+        """This rank's records of finished saves, by step (oldest first)."""
+        records = {step: self._record(step) for step, _ in self._folders()}
+        return {step: record for step, record in records.items() if record is not None}
+
     def local_steps(self) -> list[int]:
         """Steps for which this rank holds a record of a finished save (oldest first); the
         files are verified when loaded."""
-        return [step for step, _ in self._folders() if self._record(step) is not None]
+        return list(self._records())
 
     def committed_steps(self) -> list[int]:
         """Steps this rank saw every rank finish saving (a save's last act, oldest first)."""
@@ -317,10 +323,9 @@ class Checkpoints:
     def _common_steps(self) -> list[int]:
         """Steps every rank holds a record of (collective); refuses, on every rank, a
         directory that some rank finds written by a job of another world size."""
-        mine = self.local_steps()
-        worlds = {
-            record.get("world") for record in map(self._record, mine) if record is not None
-        } - {self.world}
+        records = self._records()
+        mine = list(records)
+        worlds = {record.get("world") for record in records.values()} - {self.world}
         mine_all = (mine, sorted(worlds), self.committed_steps())
         everyone: list[Any] = [mine_all]
         if self._distributed:

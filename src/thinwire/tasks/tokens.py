@@ -11,8 +11,8 @@ bench prepares the cache once before it starts them.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from thinwire.checkpoint import write_atomically
 from thinwire.tasks.text import load_corpus, stdlib_dir
 
 
@@ -35,13 +36,6 @@ class TokenCorpus:
     train: Tensor
     held_out: Tensor
     vocab: int
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
-        handle.write(data)
-    os.replace(handle.name, path)
 
 
 def _key(files: tuple[str, ...], root: Path, vocab: int, max_bytes: int | None) -> str:
@@ -90,11 +84,12 @@ def load_tokens(
             "train": _encode(tokenizer, train_text),
             "held_out": _encode(tokenizer, corpus.held_out.numpy().tobytes()),
         }
-        _write_atomically(folder / "tokenizer.json", tokenizer.to_str().encode())
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(folder / "tokenizer.json", tokenizer.to_str().encode())
         for name, stream in streams.items():
-            with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".npy") as handle:
-                np.save(handle, stream)
-            os.replace(handle.name, paths[name])
+            buffer = io.BytesIO()
+            np.save(buffer, stream)
+            write_atomically(paths[name], buffer.getvalue())
     loaded = {
         name: torch.from_numpy(np.load(path).astype(np.int64)) for name, path in paths.items()
     }
