@@ -98,6 +98,11 @@ class Communicator(ABC):
     #: starts at the same step from the same checkpoint (communicators without a group of
     #: peers, such as the parameter server's links, have their own resume protocol)
     checks_start: bool = True
+    #: whether every round's answer is checked for NaN and infinity (not only the
+    #: ranks' poison): a non-finite value summed by a transparent compressor
+    #: (:attr:`~thinwire.compress.base.Compressor.transparent`) is then caught without
+    #: poisoning
+    checks_sums: bool = False
 
     def __init__(
         self,
@@ -165,6 +170,7 @@ class AllReduceCommunicator(Communicator):
     """Ring all-reduce: one fused all-reduce per (op, dtype) in a round."""
 
     name = "allreduce"
+    checks_sums = True
 
     def supports(self, op: Op) -> bool:
         """Sums and maxima only."""
@@ -178,7 +184,8 @@ class AllReduceCommunicator(Communicator):
         poisoned: bool | Tensor = False
         for (op, dtype), members in group_by_op_and_dtype(requests).items():
             tensors = [t for i in members for t in requests[i].tensors]
-            flat = _flatten(tensors, dtype)
+            scratch = len(members) == 1 and requests[members[0]].scratch
+            flat = _flatten(tensors, dtype, in_place=scratch)
             fill = math.inf if op is Op.MAX else math.nan
             if isinstance(poison, Tensor):  # one value is enough to poison every rank's sum
                 if flat.numel():
@@ -191,7 +198,8 @@ class AllReduceCommunicator(Communicator):
                 _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
             )
             if lazy and flat.numel():
-                poisoned = poisoned | not_finite_flag([flat])
+                flag = not_finite_flag([flat])
+                poisoned = flag if poisoned is False else poisoned | flag
             else:
                 poisoned |= not all_finite(flat)
             pieces = iter(_split(flat, tensors))
@@ -286,9 +294,14 @@ def group_by_op_and_dtype(requests: Sequence[Request]) -> dict[tuple[Op, torch.d
     return groups
 
 
-def _flatten(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+def _flatten(tensors: Sequence[Tensor], dtype: torch.dtype, in_place: bool = False) -> Tensor:
+    """``tensors`` in one flat buffer of ``dtype`` to reduce; ``in_place``: a single
+    contiguous tensor of that dtype is the buffer itself (its owner reads it no more)."""
     if len(tensors) == 1:
-        return tensors[0].reshape(-1).to(dtype, copy=True)
+        only = tensors[0]
+        if in_place and only.dtype == dtype and only.is_contiguous():
+            return only.view(-1)
+        return only.reshape(-1).to(dtype, copy=True)
     return torch.cat([t.reshape(-1) for t in tensors])
 
 

@@ -37,7 +37,7 @@ from thinwire.comm.checkpoint import (
     owner_of,
 )
 from thinwire.comm.collectives import Communicator, make_communicator
-from thinwire.comm.runs import Means, Run, plan_runs, start_run, whole_bucket
+from thinwire.comm.runs import Means, Run, plan_runs, start_run, sums_show, whole_bucket
 from thinwire.comm.step_stats import StepStats
 from thinwire.comm.verdicts import non_finite_message
 from thinwire.comm.worker import OrderedWorker
@@ -48,7 +48,7 @@ from thinwire.compress.base import (
     Slot,
     check_floating,
 )
-from thinwire.compress.feedback import NoMemory
+from thinwire.compress.feedback import NoMemory, memory_for
 from thinwire.compress.none import NoCompression
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
@@ -106,14 +106,8 @@ class GradientExchange:
         history: int = 10_000,
     ) -> None:
         self.compressor = build_compressor(compressor)
-        if memory is not None and not isinstance(memory, Memory):
-            raise TypeError(
-                "memory must be a thinwire Memory (NoMemory(), ResidualMemory() or "
-                "DGCMemory(...) from thinwire.compress.feedback), or None for the "
-                f"compressor's own; got {memory!r}"
-            )
         self.communicator = make_communicator(communicator, self.compressor, group)
-        self.memory = memory if memory is not None else self.compressor.make_memory()
+        self.memory = memory_for(self.compressor, memory)
         self.dense = NoCompression()
         self.step = 0
         self.history: collections.deque[StepStats] = collections.deque(maxlen=history)
@@ -286,7 +280,11 @@ class GradientExchange:
         for planned in planned_runs:
             checks.add_together(planned.members, planned.tensor, planned.pieces)
         if lazy:  # the verdict travels as a device flag, read once at the step's end
-            batch.poison, batch.checks = checks.verdict(), checks  # before any run writes
+            batch.checks = checks  # names the tensors, should the step be refused
+            # none where the checked sums show every rank's NaN and infinity themselves
+            shown = sums_show(planned_runs, self.compressor, self.dense)
+            shown = shown and self.communicator.checks_sums
+            batch.poison = False if shown else checks.verdict()  # before any run writes
             self._suspects.append(batch)
         for planned in planned_runs:
             batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
@@ -312,7 +310,7 @@ class GradientExchange:
             self._suspects.clear()
             return
         flags = [flag.reshape(()).to(self._verdicts[0].device) for flag in self._verdicts]
-        if bool(torch.stack(flags).any()):
+        if bool(flags[0] if len(flags) == 1 else torch.stack(flags).any()):
             self._refuse()
         self._verdicts, self._suspects = [], []
 

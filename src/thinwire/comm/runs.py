@@ -234,6 +234,13 @@ def plan_runs(
     return planned
 
 
+def sums_show(planned: Sequence[Planned], compressor: Compressor, dense: Compressor) -> bool:
+    """Whether a NaN or an infinity in any of the ``planned`` runs reaches the sums
+    their exchanges ask for (every run's compressor is
+    :attr:`~thinwire.compress.base.Compressor.transparent`)."""
+    return all((compressor if run.compressed else dense).transparent for run in planned)
+
+
 def _by_kind(members: list[int], correcteds: Sequence[Tensor], key: Callable) -> list[list[int]]:
     groups: dict[Any, list[int]] = {}
     for i in members:

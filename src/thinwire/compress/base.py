@@ -52,11 +52,15 @@ class Request:
 
     op: Op
     tensors: tuple[Tensor, ...]
+    #: the tensors are the protocol's own scratch, read no more after the request: a
+    #: communicator may compute the answer in them (no copy)
+    scratch: bool = False
 
     @staticmethod
-    def sum(*tensors: Tensor) -> Request:
-        """Ask for the element-wise sum of ``tensors`` over all ranks."""
-        return Request(Op.SUM, tensors)
+    def sum(*tensors: Tensor, scratch: bool = False) -> Request:
+        """Ask for the element-wise sum of ``tensors`` over all ranks (``scratch``: see
+        the field)."""
+        return Request(Op.SUM, tensors, scratch)
 
     @staticmethod
     def max(*tensors: Tensor) -> Request:
@@ -135,6 +139,11 @@ class Compressor(ABC):
     #: whether the compressor exchanges small tensors side by side as segments of one
     #: flat tensor (:meth:`exchange_segmented`): 1-bit SGD, signSGD
     segmented: ClassVar[bool] = False
+    #: whether a NaN or an infinity in a tensor always reaches the sum its exchange asks
+    #: for (one summed round of an element-wise image that keeps them: none, fp16, bf16):
+    #: a communicator that checks its sums then catches every rank's non-finite values
+    #: without a check of its own (on a GPU, kernels saved per step)
+    transparent: ClassVar[bool] = False
 
     def segments_large(self, device: torch.device) -> bool:
         """Whether a segmented compressor takes a bucket's large tensors (on ``device``)
@@ -374,13 +383,13 @@ def not_finite_flag(tensors: Sequence[Tensor]) -> Tensor:
     largest magnitudes in one multi-tensor norm (a NaN or an infinity in a tensor makes
     its norm so, and a maximum cannot overflow), then ``x - x != 0``, true only for a
     value that is not finite."""
-    if len(tensors) == 1:
-        largest = torch.linalg.vector_norm(tensors[0], float("inf")).reshape(1)
-    else:
-        norms = torch._foreach_norm(list(tensors), float("inf"))
-        if len({t.dtype for t in norms}) > 1 or len({t.device for t in norms}) > 1:
-            norms = [t.float().to(norms[0].device) for t in norms]
-        largest = torch.stack(norms)
+    if len(tensors) == 1:  # one value: its flag needs no reduction
+        largest = torch.linalg.vector_norm(tensors[0], float("inf"))
+        return (largest - largest).ne(0)
+    norms = torch._foreach_norm(list(tensors), float("inf"))
+    if len({t.dtype for t in norms}) > 1 or len({t.device for t in norms}) > 1:
+        norms = [t.float().to(norms[0].device) for t in norms]
+    largest = torch.stack(norms)
     return (largest - largest).ne(0).any()
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Exchanged, Memory, Slot, is_real
+from thinwire.compress.base import Compressor, Exchanged, Memory, Slot, is_real
 
 
 class StepBuffers:
@@ -315,6 +315,19 @@ class DGCMemory(Memory):
         self._buffers.load(
             {k: (velocities[k].clone(), accumulators[k].clone()) for k in velocities}
         )
+
+
+def memory_for(compressor: Compressor, memory: Memory | None) -> Memory:
+    """``memory`` checked, or ``compressor``'s own default memory when it is ``None``."""
+    if memory is None:
+        return compressor.make_memory()
+    if not isinstance(memory, Memory):
+        raise TypeError(
+            "memory must be a thinwire Memory (NoMemory(), ResidualMemory() or "
+            "DGCMemory(...) from thinwire.compress.feedback), or None for the "
+            f"compressor's own; got {memory!r}"
+        )
+    return memory
 
 
 def _uniform(grads: Sequence[Tensor]) -> bool:

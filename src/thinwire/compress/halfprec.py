@@ -39,6 +39,7 @@ class HalfPrecision(Compressor):
     aggregation = Aggregation.SUM
     stateless = True
     elementwise = True
+    transparent = True  # NaN and infinity survive the division and the cast
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum ``tensor / N`` in half precision over ranks; the sum is the mean."""
@@ -46,5 +47,5 @@ class HalfPrecision(Compressor):
         # The division runs in the tensor's precision; only its result is rounded to half.
         payload = torch.div(tensor, slot.world_size, out=torch.empty_like(tensor, dtype=self.dtype))
         local = payload.to(tensor.dtype).mul_(slot.world_size)
-        (summed,) = yield Request.sum(payload)
+        (summed,) = yield Request.sum(payload, scratch=True)
         return Exchanged(mean=summed.to(tensor.dtype, copy=True), local=local)

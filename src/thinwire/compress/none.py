@@ -21,8 +21,9 @@ class NoCompression(Compressor):
     aggregation = Aggregation.SUM
     stateless = True
     elementwise = True
+    transparent = True
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
-        """Sum ``tensor / N`` over ranks."""
-        (mean,) = yield Request.sum(tensor.div(slot.world_size))
+        """Sum ``tensor / N`` over ranks (summed in place: the quotient is a new tensor)."""
+        (mean,) = yield Request.sum(tensor.div(slot.world_size), scratch=True)
         return Exchanged(mean=mean, local=tensor)
