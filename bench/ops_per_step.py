@@ -107,7 +107,8 @@ def count(
         "ops": ops,
         "views": counter.views,
         "host_reads": counter.counts["_local_scalar_dense"],
-        "top": counter.counts.most_common(10), "all": dict(counter.counts),
+        "top": counter.counts.most_common(10),
+        "all": dict(counter.counts),
         "exchange_ms": median_ms,
         "us_per_op": median_ms * 1e3 / ops if ops else None,
     }
