@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import thinwire
-from thinwire.comm.runs import flatten, plan_runs, side_by_side
+from thinwire.comm.runs import flatten, group_runs, plan_runs, side_by_side
 from thinwire.compress.base import FiniteChecks, Slot, run_locally
 from thinwire.compress.powersgd import PowerSGD
 
@@ -120,17 +120,20 @@ def test_powersgd_trains_the_same_stacked_as_one_by_one(pool2) -> None:
 
 
 SMALL_SHAPES = [(70, 64), (3,), (8, 8), (1, 200), (5, 4, 16)]
+#: tensors a GPU takes as segments too (``Compressor.large_segments_off_cpu``)
+LARGE_SHAPES = [(300, 300), (3, 70_000), (256, 32, 3, 3)]
 
 
+@pytest.mark.parametrize("shapes", [SMALL_SHAPES, LARGE_SHAPES], ids=["small", "large"])
 @pytest.mark.parametrize(
     ("name", "options"),
     [("onebit", {}), ("onebit", {"per_row": False}), ("signsgd", {})],
 )
-def test_segments_decode_as_each_tensor_alone(name: str, options: dict) -> None:
-    """Small tensors side by side as segments: every tensor's mean and what it sent
-    equal its exchange alone (scales per tensor or per row, as alone), in one world."""
+def test_segments_decode_as_each_tensor_alone(name: str, options: dict, shapes: list) -> None:
+    """Tensors side by side as segments: every tensor's mean and what it sent equal its
+    exchange alone (scales per tensor or per row, as alone), in one world."""
     gen = torch.Generator().manual_seed(9)
-    grads = [torch.randn(shape, generator=gen) for shape in SMALL_SHAPES]
+    grads = [torch.randn(shape, generator=gen) for shape in shapes]
     slots = [Slot(f"t{i}", 0, world_size=1) for i in range(len(grads))]
     alone = [
         run_locally(thinwire.compressor(name, **options).exchange(g, s))
@@ -152,7 +155,8 @@ def test_segments_decode_as_each_tensor_alone(name: str, options: dict) -> None:
         close(together.local[part].view(grad.shape), result.local, rtol=1e-5, atol=1e-7)
         assert torch.equal(together.mean[part].view(grad.shape) > 0, result.mean > 0)
     # one packed sign per value: a byte for every 8 values and 4 bytes per scale
-    assert sent[0] <= flat.numel() // 8 + 1 + 8 * (70 + 1 + 1 + 1 + 5)
+    rows = sum(shape[0] if len(shape) > 1 else 1 for shape in shapes)
+    assert sent[0] <= flat.numel() // 8 + 1 + 8 * rows
 
 
 @pytest.mark.parametrize("name", ["terngrad", "qsgd"])
@@ -356,3 +360,76 @@ def test_a_whole_bucket_with_an_empty_tensor_still_goes_through_the_compressor()
     everything = plan_runs([views[0], views[1]], [True, True], fp16, whole=buffer)
     assert len(everything) == 1 and everything[0].compressed
     assert everything[0].tensor is buffer
+
+
+@pytest.mark.parametrize("memory_kind", ["residual", "dgc", "dgc-masking"])
+def test_a_memory_laid_out_by_run_keeps_the_same_bits(memory_kind: str) -> None:
+    """A memory holding a run's buffers side by side (``arrange``) compensates to one
+    flat tensor without a copy and zeroes the run's sent entries in one operation, with
+    the same bits as a memory holding each tensor alone, through a refused step and a
+    state loaded from the other."""
+    from thinwire.compress.base import Exchanged
+    from thinwire.compress.feedback import DGCMemory, ResidualMemory
+
+    def make() -> object:
+        if memory_kind == "residual":
+            return ResidualMemory()
+        return DGCMemory(momentum=0.9, weight_decay=0.01, masking=memory_kind == "dgc-masking")
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(5, 4), (7,), (2, 3, 2)]
+    params = [torch.randn(shape, generator=gen) for shape in shapes]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    arranged, alone = make(), make()
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        slots = [Slot(key, step, world_size=2) for key in keys]
+        arranged.arrange(keys, grads)
+        ours = arranged.compensate_many(grads, slots, params)
+        theirs = alone.compensate_many(grads, slots, params)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+        assert side_by_side(ours) is not None  # laid out: a run's tensor is a view
+        assert step == 0 or side_by_side(theirs) is None
+        counts = [2, 1, 3]
+        own = [torch.randperm(t.numel(), generator=gen)[:k] for t, k in zip(ours, counts)]
+        starts = [0, 20, 27]
+        outcome = Exchanged(
+            mean=torch.zeros(39),
+            local=None,
+            sent_indices=torch.cat([i + s for i, s in zip(own, starts, strict=True)]),
+            sent_counts=counts,
+        )
+        def split() -> list:
+            raise AssertionError("a run laid out side by side was split per tensor")
+
+        arranged.update_run(ours, outcome, split, slots, True)
+        per_tensor = [Exchanged(mean=t, local=None, sent_indices=i) for t, i in zip(theirs, own)]
+        alone.update_many(theirs, per_tensor, slots, compressed=True)
+        if step == 2:  # refused
+            arranged.rollback()
+            alone.rollback()
+        else:
+            arranged.commit()
+            alone.commit()
+        if step == 4:  # a checkpoint of the other memory, loaded
+            arranged.load_state_dict(alone.state_dict())
+        for name, tensors in alone.state_dict().items():
+            for key, tensor in tensors.items():
+                assert torch.equal(arranged.state_dict()[name][key], tensor), (step, key)
+
+
+@pytest.mark.parametrize("name", ["onebit", "signsgd", "terngrad", "qsgd", "dgc", "topk"])
+def test_large_tensors_go_as_segments_off_the_cpu_only(name: str) -> None:
+    """Off the CPU a quantizer takes a bucket's large tensors as one run of segments (a
+    fixed number of kernels); on the CPU each alone (its chunked path). DGC's threshold
+    selection does so off the CPU too; top-k keeps large tensors alone everywhere."""
+    compressor = thinwire.compressor(name)
+    shapes = [torch.Size(s) for s in [*LARGE_SHAPES, (8, 8)]]
+    for device, expect in [("cpu", False), ("meta", name != "topk")]:
+        kinds = [(shape, (torch.float32, torch.device(device))) for shape in shapes]
+        groups = group_runs(kinds, [True] * len(shapes), compressor)
+        large = [g for g in groups if g.members[0] < len(LARGE_SHAPES)]
+        if expect:
+            assert [(g.members, g.how) for g in large] == [([0, 1, 2], "segments")], groups
+        else:
+            assert all(g.how == "alone" for g in large) and len(large) == 3, groups

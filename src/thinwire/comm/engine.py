@@ -37,7 +37,16 @@ from thinwire.comm.checkpoint import (
     owner_of,
 )
 from thinwire.comm.collectives import Communicator, make_communicator
-from thinwire.comm.runs import Means, Run, plan_runs, start_run, sums_show, whole_bucket
+from thinwire.comm.runs import (
+    Means,
+    Run,
+    arrange_memory,
+    bucket_means,
+    plan_runs,
+    start_run,
+    sums_show,
+    update_memory,
+)
 from thinwire.comm.step_stats import StepStats
 from thinwire.comm.verdicts import non_finite_message
 from thinwire.comm.worker import OrderedWorker
@@ -260,7 +269,7 @@ class GradientExchange:
             self._start_checked = True
         batch = _Batch(items, [], [], token)
         if self._before_step is None:  # the step's first exchange
-            self._before_step = self.compressor.state_dict()
+            self._before_step = self.compressor.snapshot()
         slots, compressed = [], []
         for item in items:
             check_floating(item.grad, f"gradient of {item.key!r}")
@@ -268,6 +277,8 @@ class GradientExchange:
             # an empty tensor has nothing to compress (top-k would ask for 1 of 0 entries)
             compressed.append(item.grad.numel() > 0 and self.compressor.compresses(item.grad))
             self._current.dense_bytes += item.grad.numel() * 4
+        if not isinstance(self.memory, NoMemory):
+            arrange_memory(self.memory, [i.grad for i in items], slots, compressed, self.compressor)
         correcteds = self.memory.compensate_many(
             [item.grad for item in items], slots, [item.param for item in items]
         )
@@ -360,11 +371,10 @@ class GradientExchange:
     def _finish(self, batch: _Batch) -> Means:
         """Let the memory keep what was not sent; the means in the gradients' dtypes."""
         if not isinstance(self.memory, NoMemory):
-            for run in batch.runs:
-                self.memory.update_many(run.correcteds, run.results, run.slots, run.compressed)
+            update_memory(self.memory, batch.runs)
         self._current.tensors += len(batch.items)
         grads = [item.grad for item in batch.items]
-        return Means(lambda: _means(batch.runs, grads), len(grads), whole_bucket(batch.runs, grads))
+        return bucket_means(batch.runs, grads)
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add
@@ -484,15 +494,3 @@ class GradientExchange:
         self._origin = origin
         orders = {int(i): list(names) for i, names in state.get("bucket_orders", {}).items()}
         self.restored_bucket_orders, self.bucket_orders = orders, dict(orders)
-
-
-def _means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:
-    """Each gradient's mean, shaped and typed as the gradient."""
-    means: list[Tensor] = [grads[0]] * len(grads)
-    for run in runs:
-        for i, result in zip(run.members, run.results, strict=True):
-            grad, mean = grads[i], result.mean
-            if mean.shape != grad.shape:
-                mean = mean.reshape(grad.shape)
-            means[i] = mean if mean.dtype == grad.dtype else mean.to(grad.dtype)
-    return means

@@ -23,6 +23,7 @@ outcome is split back into one :class:`~thinwire.compress.base.Exchanged` per te
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Compressor, Exchange, Exchanged, Slot
-from thinwire.compress.segments import SMALL
+from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory, Slot
+from thinwire.compress.segments import SMALL, side_by_side
 
 
 @dataclass
@@ -46,7 +47,8 @@ class Run:
     compressed: bool
     correcteds: list[Tensor]
     protocol: Exchange
-    split: Callable[[Exchanged], list[Exchanged]]
+    #: the outcome split per member (``False``: without each one's sent indices)
+    split: Callable[[Exchanged, bool], list[Exchanged]]
     request: Any = None
     #: the protocol's outcome once it returned, before it is split per member
     outcome: Exchanged | None = None
@@ -71,29 +73,16 @@ class Run:
         if self._results is None:
             if self.outcome is None:
                 raise RuntimeError("this run's protocol has not returned yet")
-            self._results = self.split(self.outcome)
+            self._results = self.split(self.outcome, True)
         return self._results
 
-
-def side_by_side(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The tensors as one flat tensor *without copying*, if they lie side by side in one
-    storage (contiguous, same dtype, each starting where the last one ends); else
-    ``None``."""
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    expected, total = first.data_ptr(), 0
-    for tensor in tensors:
-        if (
-            tensor.dtype != first.dtype
-            or tensor.device != first.device
-            or not tensor.is_contiguous()
-            or tensor.untyped_storage().data_ptr() != storage
-            or tensor.data_ptr() != expected
-        ):
-            return None
-        expected += tensor.numel() * tensor.element_size()
-        total += tensor.numel()
-    return torch.as_strided(first, (total,), (1,), first.storage_offset())
+    def means(self) -> list[Tensor]:
+        """Each member's mean (what a gradient needs: its sent indices are not split)."""
+        if self._results is not None:
+            return [result.mean for result in self._results]
+        if self.outcome is None:
+            raise RuntimeError("this run's protocol has not returned yet")
+        return [result.mean for result in self.split(self.outcome, False)]
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
@@ -105,7 +94,7 @@ def flatten(tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]]:
+def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged, bool], list[Exchanged]]:
     """How to split the outcome of a run of tensors shaped as ``like``, side by side, into
     one outcome per tensor (sent indices back in each tensor's own numbering)."""
     sizes = [t.numel() for t in like]
@@ -118,10 +107,10 @@ def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged], list[Exchanged]]
             p if p.shape == t.shape else p.view(t.shape) for p, t in zip(parts, like, strict=True)
         ]
 
-    def split(outcome: Exchanged) -> list[Exchanged]:
+    def split(outcome: Exchanged, with_indices: bool = True) -> list[Exchanged]:
         means, locals_ = pieces(outcome.mean), pieces(outcome.local)
         indices: list[Tensor | None] = [None] * len(like)
-        if outcome.sent_indices is not None:
+        if outcome.sent_indices is not None and with_indices:
             if outcome.sent_counts is None or len(outcome.sent_counts) != len(like):
                 raise ValueError("a run side by side reported sent indices without their counts")
             sent = outcome.sent_indices
@@ -156,8 +145,8 @@ def _index_shifts(sizes: tuple[int, ...], counts: tuple[int, ...], device: torch
     return shifts
 
 
-def _split_stacked(count: int) -> Callable[[Exchanged], list[Exchanged]]:
-    def split(outcome: Exchanged) -> list[Exchanged]:
+def _split_stacked(count: int) -> Callable[[Exchanged, bool], list[Exchanged]]:
+    def split(outcome: Exchanged, with_indices: bool = True) -> list[Exchanged]:
         if outcome.sent_indices is not None:
             raise ValueError("a batching compressor reported sent indices")
         local = outcome.local
@@ -169,7 +158,7 @@ def _split_stacked(count: int) -> Callable[[Exchanged], list[Exchanged]]:
     return split
 
 
-def _alone(outcome: Exchanged) -> list[Exchanged]:
+def _alone(outcome: Exchanged, with_indices: bool = True) -> list[Exchanged]:
     return [outcome]
 
 
@@ -196,42 +185,96 @@ class Planned:
     sizes: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class Group:
+    """The members of a run to be, and how they go: ``"flat"`` (side by side),
+    ``"segments"`` (side by side, as segments), ``"stacked"`` (by shape) or ``"alone"``."""
+
+    members: list[int]
+    how: str
+    compressed: bool
+
+
+def group_runs(
+    kinds: Sequence[tuple[torch.Size, Any]], compressed: Sequence[bool], compressor: Compressor
+) -> list[Group]:
+    """How a bucket's tensors, of ``kinds`` (shape and dtype-and-device, by index), group
+    into runs (see the module docstring): the dense ones side by side, then the compressed
+    ones side by side, stacked by shape, or alone, in the bucket's order within each kind.
+    The same for the gradients and for what a memory compensates them to, given the
+    memory's dtype (a memory lays its buffers out by it: :meth:`Memory.arrange`)."""
+    dense = [i for i, c in enumerate(compressed) if not c]
+    chosen = [i for i, c in enumerate(compressed) if c]
+    groups = [Group(g, "flat", False) for g in _by_kind(dense, kinds, lambda k: k[1])]
+    if compressor.elementwise:
+        return groups + [Group(g, "flat", True) for g in _by_kind(chosen, kinds, lambda k: k[1])]
+    if compressor.batches:
+        for g in _by_kind(chosen, kinds, lambda k: k):
+            groups.append(Group(g, "stacked" if len(g) > 1 else "alone", True))
+        return groups
+    if not compressor.segmented:
+        return groups + [Group([i], "alone", True) for i in chosen]
+    small = [i for i in chosen if math.prod(kinds[i][0]) <= SMALL]
+    groups += [Group(g, "segments", True) for g in _by_kind(small, kinds, lambda k: k[1])]
+    large = [i for i in chosen if math.prod(kinds[i][0]) > SMALL]
+    if large and compressor.segments_large(kinds[large[0]][1][1]):
+        return groups + [Group(g, "segments", True) for g in _by_kind(large, kinds, lambda k: k[1])]
+    return groups + [Group([i], "alone", True) for i in large]
+
+
 def plan_runs(
     correcteds: Sequence[Tensor],
     compressed: Sequence[bool],
     compressor: Compressor,
     whole: Tensor | None = None,
 ) -> list[Planned]:
-    """Group a bucket's compensated tensors into runs (see the module docstring): the
-    dense ones side by side, then the compressed ones side by side, stacked by shape, or
-    alone, in the bucket's order within each kind. ``whole``: every tensor of the bucket
-    side by side, known to the caller (a DDP bucket's buffer), for a run of them all."""
-    planned: list[Planned] = []
-    dense = [i for i, c in enumerate(compressed) if not c]
-    chosen = [i for i, c in enumerate(compressed) if c]
-    if whole is not None and (not chosen or (not dense and compressor.elementwise)):
+    """Group a bucket's compensated tensors into runs (:func:`group_runs`) and lay each
+    one's tensor out: a view where its members lie side by side, else a copy.
+    ``whole``: every tensor of the bucket side by side, known to the caller (a DDP
+    bucket's buffer), for a run of them all."""
+    chosen = any(compressed)
+    if whole is not None and (not chosen or (all(compressed) and compressor.elementwise)):
         sizes = [t.numel() for t in correcteds]
-        return [Planned(list(range(len(correcteds))), whole, bool(chosen), sizes=sizes)]
-    planned += _side_by_side(dense, correcteds, compressed=False)
-    if compressor.elementwise:
-        planned += _side_by_side(chosen, correcteds, compressed=True)
-    elif compressor.batches:
-        planned += _stacked(chosen, correcteds)
-    elif compressor.segmented:
-        small = [i for i in chosen if correcteds[i].numel() <= SMALL]
-        for run in _side_by_side(small, correcteds, compressed=True):
-            run.shapes = [correcteds[i].shape for i in run.members]
-            planned.append(run)
-        large = [i for i in chosen if correcteds[i].numel() > SMALL]
-        if large and compressor.segments_large(correcteds[large[0]].device):
-            for run in _side_by_side(large, correcteds, compressed=True):
-                run.shapes = [correcteds[i].shape for i in run.members]
-                planned.append(run)
+        return [Planned(list(range(len(correcteds))), whole, chosen, sizes=sizes)]
+    kinds = [(t.shape, (t.dtype, t.device)) for t in correcteds]
+    planned = []
+    for group in group_runs(kinds, compressed, compressor):
+        tensors = [correcteds[i] for i in group.members]
+        if group.how == "alone":
+            planned.append(Planned(group.members, tensors[0], group.compressed))
+        elif group.how == "stacked":
+            flat = side_by_side(tensors)
+            stacked = (
+                torch.stack(tensors)
+                if flat is None
+                else flat.view(len(tensors), *kinds[group.members[0]][0])
+            )
+            planned.append(Planned(group.members, stacked, True, stacked=True))
         else:
-            planned += [Planned([i], correcteds[i], True) for i in large]
-    else:
-        planned += [Planned([i], correcteds[i], True) for i in chosen]
+            sizes = [t.numel() for t in tensors]
+            run = Planned(group.members, flatten(tensors), group.compressed, sizes=sizes)
+            if group.how == "segments":
+                run.shapes = [t.shape for t in tensors]
+            planned.append(run)
     return planned
+
+
+def arrange_memory(
+    memory: Memory,
+    grads: Sequence[Tensor],
+    slots: Sequence[Slot],
+    compressed: Sequence[bool],
+    compressor: Compressor,
+) -> None:
+    """Have ``memory`` hold the state of each run to be side by side
+    (:meth:`~thinwire.compress.base.Memory.arrange`): a run of what it compensates to is
+    then one flat tensor without a copy, and its sent entries are zeroed at once. The
+    runs are grouped as :func:`plan_runs` will group the memory's fp32 buffers."""
+    kinds = [(g.shape, (torch.float32, g.device)) for g in grads]
+    for group in group_runs(kinds, compressed, compressor):
+        if len(group.members) > 1:
+            keys = [slots[i].key for i in group.members]
+            memory.arrange(keys, [grads[i] for i in group.members])
 
 
 def sums_show(planned: Sequence[Planned], compressor: Compressor, dense: Compressor) -> bool:
@@ -241,33 +284,11 @@ def sums_show(planned: Sequence[Planned], compressor: Compressor, dense: Compres
     return all((compressor if run.compressed else dense).transparent for run in planned)
 
 
-def _by_kind(members: list[int], correcteds: Sequence[Tensor], key: Callable) -> list[list[int]]:
+def _by_kind(members: list[int], kinds: Sequence[Any], key: Callable) -> list[list[int]]:
     groups: dict[Any, list[int]] = {}
     for i in members:
-        groups.setdefault(key(correcteds[i]), []).append(i)
+        groups.setdefault(key(kinds[i]), []).append(i)
     return list(groups.values())
-
-
-def _side_by_side(
-    members: list[int], correcteds: Sequence[Tensor], compressed: bool
-) -> list[Planned]:
-    planned = []
-    for group in _by_kind(members, correcteds, lambda t: (t.dtype, t.device)):
-        tensors = [correcteds[i] for i in group]
-        sizes = [t.numel() for t in tensors]
-        planned.append(Planned(group, flatten(tensors), compressed, sizes=sizes))
-    return planned
-
-
-def _stacked(members: list[int], correcteds: Sequence[Tensor]) -> list[Planned]:
-    planned = []
-    for group in _by_kind(members, correcteds, lambda t: (t.shape, t.dtype, t.device)):
-        if len(group) == 1:
-            planned.append(Planned(group, correcteds[group[0]], True))
-            continue
-        stacked = torch.stack([correcteds[i] for i in group])
-        planned.append(Planned(group, stacked, True, stacked=True))
-    return planned
 
 
 def start_run(
@@ -344,3 +365,30 @@ def whole_bucket(runs: Sequence[Run], grads: Sequence[Tensor]) -> Tensor | None:
     if any(item.dtype != outcome.mean.dtype for item in grads):
         return None
     return outcome.mean if outcome.mean.numel() == sum(g.numel() for g in grads) else None
+
+
+def bucket_means(runs: Sequence[Run], grads: Sequence[Tensor]) -> Means:
+    """The means of a bucket of ``grads`` that ``runs`` exchanged, made on first use."""
+    return Means(lambda: run_means(runs, grads), len(grads), whole_bucket(runs, grads))
+
+
+def run_means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:
+    """Each gradient's mean, shaped and typed as the gradient."""
+    means: list[Tensor] = [grads[0]] * len(grads)
+    for run in runs:
+        for i, mean in zip(run.members, run.means(), strict=True):
+            grad = grads[i]
+            if mean.shape != grad.shape:
+                mean = mean.reshape(grad.shape)
+            means[i] = mean if mean.dtype == grad.dtype else mean.to(grad.dtype)
+    return means
+
+
+def update_memory(memory: Memory, runs: Sequence[Run]) -> None:
+    """Let ``memory`` keep what each of ``runs`` did not send (splitting a run's outcome
+    per tensor only if the memory needs it)."""
+    for run in runs:
+        if run.outcome is None:
+            raise RuntimeError("this run's protocol has not returned yet")
+        results = lambda run=run: run.results  # noqa: E731
+        memory.update_run(run.correcteds, run.outcome, results, run.slots, run.compressed)

@@ -145,10 +145,14 @@ class Compressor(ABC):
     #: without a check of its own (on a GPU, kernels saved per step)
     transparent: ClassVar[bool] = False
 
+    #: whether a segmented compressor takes large tensors as segments too off the CPU
+    #: (where each one's own chunked path is not faster: a GPU launches per kernel)
+    large_segments_off_cpu: ClassVar[bool] = False
+
     def segments_large(self, device: torch.device) -> bool:
         """Whether a segmented compressor takes a bucket's large tensors (on ``device``)
         side by side too, as one more run of segments, rather than one at a time."""
-        return False
+        return self.large_segments_off_cpu and device.type != "cpu"
 
     # -- which tensors it handles ---------------------------------------------------------
 
@@ -224,6 +228,12 @@ class Compressor(ABC):
         """State that a resumed run needs to continue exactly; empty for stateless ones."""
         return {}
 
+    def snapshot(self) -> dict[str, Any]:
+        """What :meth:`load_state_dict` puts back should the step under way be refused:
+        :meth:`state_dict`; a compressor that never writes its state tensors in place
+        may hand references, not copies (fewer operators a step)."""
+        return self.state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         if state:
@@ -268,6 +278,24 @@ class Memory(ABC):
         """:meth:`update` for each tensor of a run (memories may batch it)."""
         for corrected, sent, slot in zip(correcteds, sents, slots, strict=True):
             self.update(corrected, sent, slot, compressed)
+
+    def update_run(
+        self,
+        correcteds: Sequence[Tensor],
+        outcome: Exchanged,
+        results: Callable[[], Sequence[Exchanged]],
+        slots: Sequence[Slot],
+        compressed: bool,
+    ) -> None:
+        """:meth:`update_many` for a run whose ``outcome`` covers ``correcteds`` side by
+        side (``results()``: split per tensor); a memory whose buffers lie so may take the
+        outcome whole."""
+        self.update_many(correcteds, results(), slots, compressed)
+
+    def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
+        """Hold the state of ``keys`` (shaped as ``likes``), which exchange as one run,
+        side by side in this order, where the memory can (a run of them is then one flat
+        tensor without a copy, updated in one operation); nothing to do by default."""
 
     def commit(self) -> None:
         """The step is taken: what it left in the memory becomes the state the next step

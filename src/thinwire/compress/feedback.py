@@ -27,7 +27,7 @@ that, and allocate nothing after the first two steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.base import Compressor, Exchanged, Memory, Slot, is_real
+from thinwire.compress.segments import side_by_side
 
 
 class StepBuffers:
@@ -53,6 +54,54 @@ class StepBuffers:
         self.kept: dict[str, tuple[Tensor, ...]] = {}
         self._pending: dict[str, tuple[Tensor, ...]] = {}
         self._spare: dict[str, tuple[Tensor, ...]] = {}
+        #: bumped whenever a buffer is made or replaced other than by a step's swap
+        self._version = 0
+        #: groups of keys laid out side by side, and the version they were checked at
+        self._arranged: dict[tuple[str, ...], int] = {}
+
+    def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
+        """Lay the state of ``keys`` (shaped as ``likes``) out side by side, in this
+        order, in one block per state tensor and per set (kept and spare), keeping its
+        values. Since every key of a group begins, commits and rolls back together, a
+        step's swap keeps the blocks whole: this copies once, then checks nothing until
+        some buffer is made or replaced."""
+        group = tuple(keys)
+        if len(group) < 2 or self._arranged.get(group) == self._version:
+            return
+        for key in group:
+            self._keep(key)
+        if not self._side_by_side(group, likes):
+            self._lay_out(group, likes)
+        self._arranged[group] = self._version
+
+    def _side_by_side(self, keys: tuple[str, ...], likes: Sequence[Tensor]) -> bool:
+        for states in (self.kept, self._spare):
+            held = [states.get(key) for key in keys]
+            shapes = zip(held, likes, strict=True)
+            if any(h is None or h[0].shape != like.shape for h, like in shapes):
+                return False
+            for c in range(self.count):
+                if side_by_side([h[c] for h in held if h is not None]) is None:
+                    return False
+        return True
+
+    def _lay_out(self, keys: tuple[str, ...], likes: Sequence[Tensor]) -> None:
+        total = sum(like.numel() for like in likes)
+        device = likes[0].device
+        blocks = [
+            [torch.zeros(total, dtype=torch.float32, device=device) for _ in range(self.count)]
+            for _ in range(2)
+        ]
+        offset = 0
+        for key, like in zip(keys, likes, strict=True):
+            end = offset + like.numel()
+            kept, spare = (tuple(b[offset:end].view(like.shape) for b in set_) for set_ in blocks)
+            old = self.kept.get(key)
+            if old is not None and old[0].shape == like.shape:
+                torch._foreach_copy_(list(kept), list(old))
+            self.kept[key], self._spare[key] = kept, spare
+            offset = end
+        self._version += 1
 
     def begin(self, key: str, like: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """``(kept, fresh)`` for ``key``: its committed state, and the buffers (contents
@@ -91,6 +140,7 @@ class StepBuffers:
         self.kept = dict(kept)
         self._pending.clear()
         self._spare.clear()
+        self._version += 1
 
     def _keep(self, key: str) -> None:
         fresh = self._pending.pop(key, None)
@@ -102,6 +152,7 @@ class StepBuffers:
             self._spare[key] = retired
 
     def _new(self, like: Tensor, make: Any) -> tuple[Tensor, ...]:
+        self._version += 1
         return tuple(
             make(like.shape, dtype=torch.float32, device=like.device) for _ in range(self.count)
         )
@@ -162,6 +213,23 @@ class ResidualMemory(Memory):
         """:meth:`update` for a run: what was sent dense subtracted in one multi-tensor
         operation, sparse sends zeroed one by one."""
         _subtract_all_sent(correcteds, sents)
+
+    def update_run(
+        self,
+        correcteds: Sequence[Tensor],
+        outcome: Exchanged,
+        results: Callable[[], Sequence[Exchanged]],
+        slots: Sequence[Slot],
+        compressed: bool,
+    ) -> None:
+        """A run's sent entries zeroed in one operation where its buffers lie side by
+        side (:meth:`arrange`), else :meth:`update_many`."""
+        if not _zero_run(correcteds, outcome):
+            self.update_many(correcteds, results(), slots, compressed)
+
+    def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
+        """Residuals of one run side by side (:meth:`StepBuffers.arrange`)."""
+        self._buffers.arrange(keys, likes)
 
     def commit(self) -> None:
         """This step's residuals are the ones the next step adds."""
@@ -274,6 +342,28 @@ class DGCMemory(Memory):
             for sent, slot in zip(sents, slots, strict=True):
                 self._mask(sent, slot)
 
+    def update_run(
+        self,
+        correcteds: Sequence[Tensor],
+        outcome: Exchanged,
+        results: Callable[[], Sequence[Exchanged]],
+        slots: Sequence[Slot],
+        compressed: bool,
+    ) -> None:
+        """A run's sent entries zeroed in one operation (with masking, one more for the
+        velocities) where its buffers lie side by side, else :meth:`update_many`."""
+        if not _zero_run(correcteds, outcome):
+            self.update_many(correcteds, results(), slots, compressed)
+        elif self.masking and compressed:
+            velocities = [self._buffers.current(slot.key)[0] for slot in slots]
+            if not _zero_run(velocities, outcome):
+                for sent, slot in zip(results(), slots, strict=True):
+                    self._mask(sent, slot)
+
+    def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
+        """Velocities and accumulators of one run side by side (:meth:`StepBuffers.arrange`)."""
+        self._buffers.arrange(keys, likes)
+
     def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
         """Zero what was sent in ``v``; with masking, also in ``u`` (compressed tensors)."""
         _subtract_sent(corrected, sent)
@@ -336,6 +426,18 @@ def _uniform(grads: Sequence[Tensor]) -> bool:
         return False
     device = grads[0].device
     return all(g.dtype == torch.float32 and g.device == device for g in grads)
+
+
+def _zero_run(buffers: Sequence[Tensor], outcome: Exchanged) -> bool:
+    """Zero the entries a run of several tensors sent (``outcome.sent_indices``, in the
+    run's numbering) in ``buffers`` at once, if they lie side by side; whether it did."""
+    if len(buffers) < 2 or outcome.sent_indices is None:
+        return False
+    flat = side_by_side(buffers)
+    if flat is None:
+        return False
+    flat.index_fill_(0, outcome.sent_indices, 0.0)
+    return True
 
 
 def _subtract_all_sent(correcteds: Sequence[Tensor], sents: Sequence[Exchanged]) -> None:

@@ -90,6 +90,7 @@ class OneBit(Compressor):
     aggregation = Aggregation.GATHER
     wants_error_feedback = True
     segmented = True
+    large_segments_off_cpu = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.per_row, bool):

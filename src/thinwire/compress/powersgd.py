@@ -206,6 +206,11 @@ class PowerSGD(Compressor):
         """The warm-start Q^T of every tensor key."""
         return {"warm": {key: qt.clone() for key, qt in self.warm.items()}}
 
+    def snapshot(self) -> dict[str, Any]:
+        """The warm starts themselves: an exchange replaces a key's warm start with a new
+        tensor and never writes one in place."""
+        return {"warm": dict(self.warm)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the warm starts."""
         unknown = set(state) - {"warm"}

@@ -115,6 +115,10 @@ class OneRoundPowerSGD(PowerSGD):
 
     # -- checkpointing --------------------------------------------------------------------
 
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of the bases (:meth:`state_dict`), not PowerSGD's warm starts."""
+        return self.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         """Every tensor key's bases and, alternating, the side it sends next."""
         return {

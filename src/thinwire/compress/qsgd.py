@@ -58,6 +58,7 @@ class QSGD(StochasticCompressor):
     summary = "QSGD: unbiased stochastic rounding to s levels of |g|/||g||, 2-8 bits, gathered"
     aggregation = Aggregation.GATHER
     segmented = True
+    large_segments_off_cpu = True
 
     def __post_init__(self) -> None:
         self.levels = check_positive_int("levels", self.levels)

@@ -28,6 +28,27 @@ from torch import Tensor
 SMALL = 1 << 16
 
 
+def side_by_side(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The tensors as one flat tensor *without copying*, if they lie side by side in one
+    storage (contiguous, same dtype, each starting where the last one ends); else
+    ``None``."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    expected, total = first.data_ptr(), 0
+    for tensor in tensors:
+        if (
+            tensor.dtype != first.dtype
+            or tensor.device != first.device
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.data_ptr() != expected
+        ):
+            return None
+        expected += tensor.numel() * tensor.element_size()
+        total += tensor.numel()
+    return torch.as_strided(first, (total,), (1,), first.storage_offset())
+
+
 class Segments:
     """Consecutive segments of the given ``lengths`` (each >= 1) covering a flat tensor."""
 

@@ -55,6 +55,7 @@ class SignSGD(Compressor):
     aggregation = Aggregation.GATHER
     wants_error_feedback = True  # the default of the ``error_feedback`` option
     segmented = True
+    large_segments_off_cpu = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.error_feedback, bool):

@@ -108,6 +108,7 @@ class TernGrad(StochasticCompressor):
     summary = "TernGrad: unbiased stochastic ternary, 2 bits per value, max-shared scaler"
     aggregation = Aggregation.GATHER
     segmented = True
+    large_segments_off_cpu = True
 
     def __post_init__(self) -> None:
         sigma = self.clip_sigma
