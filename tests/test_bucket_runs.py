@@ -10,7 +10,8 @@ from torch import nn
 
 import thinwire
 from thinwire.comm.runs import flatten, group_runs, plan_runs, side_by_side
-from thinwire.compress.base import FiniteChecks, Slot, run_locally
+from thinwire.compress.base import Slot, run_locally
+from thinwire.compress.finite import FiniteChecks
 from thinwire.compress.powersgd import PowerSGD
 
 
@@ -368,7 +369,7 @@ def test_a_memory_laid_out_by_run_keeps_the_same_bits(memory_kind: str) -> None:
     flat tensor without a copy and zeroes the run's sent entries in one operation, with
     the same bits as a memory holding each tensor alone, through a refused step and a
     state loaded from the other."""
-    from thinwire.compress.base import Exchanged
+    from thinwire.compress.base import Exchanged, RunUpdate
     from thinwire.compress.feedback import DGCMemory, ResidualMemory
 
     def make() -> object:
@@ -399,10 +400,11 @@ def test_a_memory_laid_out_by_run_keeps_the_same_bits(memory_kind: str) -> None:
             sent_indices=torch.cat([i + s for i, s in zip(own, starts, strict=True)]),
             sent_counts=counts,
         )
+
         def split() -> list:
             raise AssertionError("a run laid out side by side was split per tensor")
 
-        arranged.update_run(ours, outcome, split, slots, True)
+        arranged.update_runs([RunUpdate(ours, outcome, split, slots, True)])
         per_tensor = [Exchanged(mean=t, local=None, sent_indices=i) for t, i in zip(theirs, own)]
         alone.update_many(theirs, per_tensor, slots, compressed=True)
         if step == 2:  # refused

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 import thinwire
 from thinwire.cli import main
 from thinwire.compress import Slot, run_locally
-from thinwire.compress.base import all_finite, not_finite_flag
 from thinwire.compress.bits import pack, packed_size, unpack
 from thinwire.compress.feedback import ResidualMemory
+from thinwire.compress.finite import all_finite, not_finite_flag
 
 
 @settings(max_examples=60, deadline=None)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.collectives import control_device, group_timeout
-from thinwire.compress.base import FiniteChecks
+from thinwire.compress.finite import FiniteChecks
 
 
 @pytest.mark.parametrize(

@@ -45,9 +45,8 @@ from thinwire.compress.base import (
     Compressor,
     Op,
     Request,
-    all_finite,
-    not_finite_flag,
 )
+from thinwire.compress.finite import all_finite, not_finite_flag
 from thinwire.errors import CommunicationError, IncompatibleCompressorError, ThinwireError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -50,14 +50,9 @@ from thinwire.comm.runs import (
 from thinwire.comm.step_stats import StepStats
 from thinwire.comm.verdicts import non_finite_message
 from thinwire.comm.worker import OrderedWorker
-from thinwire.compress.base import (
-    Compressor,
-    FiniteChecks,
-    Memory,
-    Slot,
-    check_floating,
-)
+from thinwire.compress.base import Compressor, Memory, Slot, check_floating
 from thinwire.compress.feedback import NoMemory, memory_for
+from thinwire.compress.finite import FiniteChecks
 from thinwire.compress.none import NoCompression
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import NonFiniteGradientError, RankMismatchError

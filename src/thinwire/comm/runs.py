@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory, Slot
+from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory, RunUpdate, Slot
 from thinwire.compress.segments import SMALL, side_by_side
 
 
@@ -385,10 +385,12 @@ def run_means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:
 
 
 def update_memory(memory: Memory, runs: Sequence[Run]) -> None:
-    """Let ``memory`` keep what each of ``runs`` did not send (splitting a run's outcome
-    per tensor only if the memory needs it)."""
+    """Let ``memory`` keep what ``runs`` did not send (splitting a run's outcome per
+    tensor only if the memory needs it)."""
+    updates = []
     for run in runs:
         if run.outcome is None:
             raise RuntimeError("this run's protocol has not returned yet")
         results = lambda run=run: run.results  # noqa: E731
-        memory.update_run(run.correcteds, run.outcome, results, run.slots, run.compressed)
+        updates.append(RunUpdate(run.correcteds, run.outcome, results, run.slots, run.compressed))
+    memory.update_runs(updates)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Compressor, Exchanged, Memory, Slot, is_real
+from thinwire.compress.base import Compressor, Exchanged, Memory, RunUpdate, Slot, is_real
 from thinwire.compress.segments import side_by_side
 
 
@@ -214,18 +214,11 @@ class ResidualMemory(Memory):
         operation, sparse sends zeroed one by one."""
         _subtract_all_sent(correcteds, sents)
 
-    def update_run(
-        self,
-        correcteds: Sequence[Tensor],
-        outcome: Exchanged,
-        results: Callable[[], Sequence[Exchanged]],
-        slots: Sequence[Slot],
-        compressed: bool,
-    ) -> None:
-        """A run's sent entries zeroed in one operation where its buffers lie side by
-        side (:meth:`arrange`), else :meth:`update_many`."""
-        if not _zero_run(correcteds, outcome):
-            self.update_many(correcteds, results(), slots, compressed)
+    def update_runs(self, runs: Sequence[RunUpdate]) -> None:
+        """A bucket's runs: each run's sent entries zeroed in one operation where its
+        buffers lie side by side (:meth:`arrange`), what went dense subtracted in one
+        multi-tensor operation for all runs; the same arithmetic as :meth:`update`."""
+        _update_runs(runs, None)
 
     def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
         """Residuals of one run side by side (:meth:`StepBuffers.arrange`)."""
@@ -342,23 +335,21 @@ class DGCMemory(Memory):
             for sent, slot in zip(sents, slots, strict=True):
                 self._mask(sent, slot)
 
-    def update_run(
-        self,
-        correcteds: Sequence[Tensor],
-        outcome: Exchanged,
-        results: Callable[[], Sequence[Exchanged]],
-        slots: Sequence[Slot],
-        compressed: bool,
-    ) -> None:
-        """A run's sent entries zeroed in one operation (with masking, one more for the
-        velocities) where its buffers lie side by side, else :meth:`update_many`."""
-        if not _zero_run(correcteds, outcome):
-            self.update_many(correcteds, results(), slots, compressed)
-        elif self.masking and compressed:
-            velocities = [self._buffers.current(slot.key)[0] for slot in slots]
-            if not _zero_run(velocities, outcome):
-                for sent, slot in zip(results(), slots, strict=True):
-                    self._mask(sent, slot)
+    def update_runs(self, runs: Sequence[RunUpdate]) -> None:
+        """As :class:`ResidualMemory`'s; with masking, a compressed run's velocities
+        zeroed where it sent, in one more operation where they lie side by side."""
+        _update_runs(runs, self._mask_run if self.masking else None)
+
+    def _mask_run(self, run: RunUpdate, whole: bool) -> None:
+        """Momentum factor masking for a compressed run (``whole``: its outcome's sent
+        indices cover all its tensors, laid out side by side)."""
+        if not run.compressed:
+            return
+        velocities = [self._buffers.current(slot.key)[0] for slot in run.slots]
+        if whole and _zero_run(velocities, run.outcome):
+            return
+        for sent, slot in zip(run.results(), run.slots, strict=True):
+            self._mask(sent, slot)
 
     def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
         """Velocities and accumulators of one run side by side (:meth:`StepBuffers.arrange`)."""
@@ -426,6 +417,27 @@ def _uniform(grads: Sequence[Tensor]) -> bool:
         return False
     device = grads[0].device
     return all(g.dtype == torch.float32 and g.device == device for g in grads)
+
+
+def _update_runs(runs: Sequence[RunUpdate], mask: Callable[[RunUpdate, bool], None] | None) -> None:
+    """Zero each run's sent entries (a run's at once where its buffers lie side by side,
+    else each tensor's), subtract every dense send of every run in one multi-tensor
+    operation, and ``mask`` each run (told whether it was zeroed whole)."""
+    dense: list[tuple[Tensor, Tensor]] = []
+    for run in runs:
+        whole = _zero_run(run.correcteds, run.outcome)
+        if not whole:
+            for corrected, sent in zip(run.correcteds, run.results(), strict=True):
+                if sent.sent_indices is not None:
+                    _subtract_sent(corrected, sent)
+                elif sent.local is None:
+                    raise ValueError("an exchange reported neither what it sent nor its indices")
+                else:
+                    dense.append((corrected, sent.local))
+        if mask is not None:
+            mask(run, whole)
+    if dense:
+        torch._foreach_sub_([c for c, _ in dense], [local for _, local in dense])
 
 
 def _zero_run(buffers: Sequence[Tensor], outcome: Exchanged) -> bool:

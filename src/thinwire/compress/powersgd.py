@@ -96,7 +96,7 @@ class PowerSGD(Compressor):
         matrix = tensor.reshape(tensor.shape[0], -1)
         qt = self._warm_start(slot.key, matrix)
         (pt_sum,) = yield Request.sum(qt @ matrix.T)  # P^T = (M Q)^T
-        pt = orthogonalize_rows(pt_sum.clone())
+        pt = orthonormal_rows(pt_sum)
         qt_local = pt @ matrix  # Q^T = (M^T P)^T
         (qt_sum,) = yield Request.sum(qt_local)
         qt_mean = qt_sum / slot.world_size
@@ -115,7 +115,7 @@ class PowerSGD(Compressor):
         group = "\0".join(slot.key for slot in slots)
         qt = self._stacked_warm_start(group, slots, matrices)
         (pt_sum,) = yield Request.sum(torch.bmm(qt, matrices.transpose(1, 2)))
-        pt = orthogonalize_stacked_rows(pt_sum.clone())
+        pt = orthonormal_rows(pt_sum)
         qt_local = torch.bmm(pt, matrices)
         (qt_sum,) = yield Request.sum(qt_local)
         qt_mean = qt_sum / slots[0].world_size
@@ -123,7 +123,7 @@ class PowerSGD(Compressor):
         torch.bmm(pt.transpose(1, 2), qt_mean, out=mean)
         torch.bmm(pt.transpose(1, 2), qt_local, out=local)
         if qt_mean.device.type != "cpu":  # on a GPU without reading anything back
-            dead = qt_mean.abs().amax(dim=2, keepdim=True) == 0
+            dead = torch.linalg.vector_norm(qt_mean, math.inf, dim=2, keepdim=True) == 0
             qt_mean = torch.where(dead, self._spare(group, qt_mean), qt_mean)
         elif bool((qt_mean.abs().amax(dim=2) == 0).any()):
             for i, slot in enumerate(slots):
@@ -164,7 +164,7 @@ class PowerSGD(Compressor):
         would make the host wait, with the key's spare rows (:meth:`_spare`) chosen on the
         device."""
         if qt.device.type != "cpu":
-            dead = qt.abs().amax(dim=1, keepdim=True) == 0
+            dead = torch.linalg.vector_norm(qt, math.inf, dim=1, keepdim=True) == 0
             return torch.where(dead, self._spare(slot.key, qt), qt)
         dead = qt.abs().amax(dim=1) == 0
         if bool(dead.any()):
@@ -219,11 +219,12 @@ class PowerSGD(Compressor):
         self.warm = {key: qt.clone() for key, qt in state.get("warm", {}).items()}
 
 
-def orthogonalize_stacked_rows(stacked: Tensor) -> Tensor:
-    """:func:`orthogonalize_rows` for every matrix of ``stacked`` (count x r x n) at once."""
-    q, _ = torch.linalg.qr(stacked.transpose(1, 2))
-    stacked.copy_(q.transpose(1, 2))
-    return stacked
+def orthonormal_rows(matrices: Tensor) -> Tensor:
+    """Rows spanning what the rows of ``matrices`` (r x n, or a stack of them) span,
+    orthonormal: :func:`orthogonalize_rows` without writing its input (the Q of a
+    QR factorisation comes out column-major, so its transpose is contiguous: no copy)."""
+    q, _ = torch.linalg.qr(matrices.mT)
+    return q.mT
 
 
 def orthogonalize_rows(matrix: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from thinwire.comm.agreement import digest, value_ranges
 from thinwire.comm.engine import GradientExchange
-from thinwire.compress.base import FiniteChecks
+from thinwire.compress.finite import FiniteChecks
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
 
 
