@@ -48,9 +48,10 @@ from thinwire.comm.runs import (
     update_memory,
 )
 from thinwire.comm.step_stats import StepStats
+from thinwire.comm.survey import Survey, Surveys
 from thinwire.comm.verdicts import non_finite_message
 from thinwire.comm.worker import OrderedWorker
-from thinwire.compress.base import Compressor, Memory, Slot, check_floating
+from thinwire.compress.base import Compressor, Memory
 from thinwire.compress.feedback import NoMemory, memory_for
 from thinwire.compress.finite import FiniteChecks
 from thinwire.compress.none import NoCompression
@@ -80,6 +81,8 @@ class _Batch:
     poison: bool | Tensor = False
     #: the batch's finiteness checks (to name the tensors of a step refused later)
     checks: FiniteChecks | None = None
+    #: what its items are (their gradients, sizes and dtype)
+    known: Survey | None = None
 
     @property
     def done(self) -> bool:
@@ -113,6 +116,7 @@ class GradientExchange:
         self.communicator = make_communicator(communicator, self.compressor, group)
         self.memory = memory_for(self.compressor, memory)
         self.dense = NoCompression()
+        self._surveys = Surveys(self.compressor)
         self.step = 0
         self.history: collections.deque[StepStats] = collections.deque(maxlen=history)
         self._current = StepStats(step=0)
@@ -265,24 +269,23 @@ class GradientExchange:
         batch = _Batch(items, [], [], token)
         if self._before_step is None:  # the step's first exchange
             self._before_step = self.compressor.snapshot()
-        slots, compressed = [], []
-        for item in items:
-            check_floating(item.grad, f"gradient of {item.key!r}")
-            slots.append(Slot(item.key, self.step, self.world_size, self.rank))
-            # an empty tensor has nothing to compress (top-k would ask for 1 of 0 entries)
-            compressed.append(item.grad.numel() > 0 and self.compressor.compresses(item.grad))
-            self._current.dense_bytes += item.grad.numel() * 4
-        if not isinstance(self.memory, NoMemory):
-            arrange_memory(self.memory, [i.grad for i in items], slots, compressed, self.compressor)
-        correcteds = self.memory.compensate_many(
-            [item.grad for item in items], slots, [item.param for item in items]
-        )
+        known = batch.known = self._surveys.of(items)  # keys, sizes, what is compressed
+        slots = known.slots(self.step, self.world_size, self.rank)
+        compressed, grads = known.compressed, known.grads
+        self._current.dense_bytes += known.total * 4
+        plain = isinstance(self.memory, NoMemory)
+        if plain and known.dtype == torch.float32:  # nothing to compensate or convert
+            correcteds = grads
+        else:
+            if not plain:
+                arrange_memory(self.memory, grads, slots, compressed, self.compressor)
+            correcteds = self.memory.compensate_many(grads, slots, known.params)
         lazy = self._lazy(items)
         checks = FiniteChecks(defer=lazy)  # of the gradient, or what the memory added to it
-        own = (c is item.grad for c, item in zip(correcteds, items, strict=True))
-        if whole is not None and not all(own):
+        own = correcteds is grads or all(c is g for c, g in zip(correcteds, grads, strict=True))
+        if whole is not None and not own:
             whole = None  # the memory compensated into tensors of its own
-        planned_runs = plan_runs(correcteds, compressed, self.compressor, whole)
+        planned_runs = plan_runs(correcteds, compressed, self.compressor, whole, known.sizes)
         for planned in planned_runs:
             checks.add_together(planned.members, planned.tensor, planned.pieces)
         if lazy:  # the verdict travels as a device flag, read once at the step's end
@@ -368,8 +371,8 @@ class GradientExchange:
         if not isinstance(self.memory, NoMemory):
             update_memory(self.memory, batch.runs)
         self._current.tensors += len(batch.items)
-        grads = [item.grad for item in batch.items]
-        return bucket_means(batch.runs, grads)
+        assert batch.known is not None  # surveyed by _start
+        return bucket_means(batch.runs, batch.known)
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add

@@ -43,9 +43,9 @@ class Run:
     it waits on, and per member its outcome."""
 
     members: list[int]
-    slots: list[Slot]
+    slots: Sequence[Slot]
     compressed: bool
-    correcteds: list[Tensor]
+    correcteds: Sequence[Tensor]
     protocol: Exchange
     #: the outcome split per member (``False``: without each one's sent indices)
     split: Callable[[Exchanged, bool], list[Exchanged]]
@@ -97,12 +97,17 @@ def flatten(tensors: Sequence[Tensor]) -> Tensor:
 def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged, bool], list[Exchanged]]:
     """How to split the outcome of a run of tensors shaped as ``like``, side by side, into
     one outcome per tensor (sent indices back in each tensor's own numbering)."""
-    sizes = [t.numel() for t in like]
+    known: list[list[int]] = []  # the sizes, found at the first split (often none is)
+
+    def sizes_of() -> list[int]:
+        if not known:
+            known.append([t.numel() for t in like])
+        return known[0]
 
     def pieces(flat: Tensor | None) -> list[Tensor | None]:
         if flat is None:
             return [None] * len(like)
-        parts = flat.split(sizes)
+        parts = flat.split(sizes_of())
         return [
             p if p.shape == t.shape else p.view(t.shape) for p, t in zip(parts, like, strict=True)
         ]
@@ -115,7 +120,7 @@ def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged, bool], list[Excha
                 raise ValueError("a run side by side reported sent indices without their counts")
             sent = outcome.sent_indices
             # each index less its tensor's start, in one subtraction
-            shifts = _index_shifts(tuple(sizes), tuple(outcome.sent_counts), sent.device)
+            shifts = _index_shifts(tuple(sizes_of()), tuple(outcome.sent_counts), sent.device)
             indices = list((sent - shifts).split(outcome.sent_counts))
         return [
             Exchanged(mean=m, local=lo, sent_indices=i)
@@ -227,14 +232,15 @@ def plan_runs(
     compressed: Sequence[bool],
     compressor: Compressor,
     whole: Tensor | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[Planned]:
     """Group a bucket's compensated tensors into runs (:func:`group_runs`) and lay each
     one's tensor out: a view where its members lie side by side, else a copy.
     ``whole``: every tensor of the bucket side by side, known to the caller (a DDP
-    bucket's buffer), for a run of them all."""
+    bucket's buffer), for a run of them all; ``sizes``: the tensors' sizes, if known."""
     chosen = any(compressed)
     if whole is not None and (not chosen or (all(compressed) and compressor.elementwise)):
-        sizes = [t.numel() for t in correcteds]
+        sizes = list(sizes) if sizes is not None else [t.numel() for t in correcteds]
         return [Planned(list(range(len(correcteds))), whole, chosen, sizes=sizes)]
     kinds = [(t.shape, (t.dtype, t.device)) for t in correcteds]
     planned = []
@@ -301,21 +307,22 @@ def start_run(
     """Start ``planned``'s protocol up to its first request (``correcteds`` and ``slots``:
     the whole bucket's, by index)."""
     members = planned.members
-    member_slots = [slots[i] for i in members]
+    everyone = len(members) == len(correcteds)  # members are distinct: all, in order
+    member_slots = slots if everyone else [slots[i] for i in members]  # (not copied: read only)
+    member_correcteds = correcteds if everyone else [correcteds[i] for i in members]
     chosen = compressor if planned.compressed else dense
     if planned.shapes is not None:
         protocol = chosen.exchange_segmented(planned.tensor, planned.shapes, member_slots)
-        split = split_flat([correcteds[i] for i in members])
+        split = split_flat(member_correcteds)
     elif len(members) == 1 and not planned.stacked and planned.sizes is None:
         protocol = chosen.exchange(planned.tensor, member_slots[0])
         split = _alone
     elif chosen.elementwise:
         protocol = chosen.exchange(planned.tensor, _run_slot(member_slots))
-        split = split_flat([correcteds[i] for i in members])
+        split = split_flat(member_correcteds)
     else:
         protocol = chosen.exchange_stacked(planned.tensor, member_slots)
         split = _split_stacked(len(members))
-    member_correcteds = [correcteds[i] for i in members]
     run = Run(members, member_slots, planned.compressed, member_correcteds, protocol, split)
     run.advance(None)
     return run
@@ -353,23 +360,26 @@ class Means(Sequence[Tensor]):
         return iter(self._all())
 
 
-def whole_bucket(runs: Sequence[Run], grads: Sequence[Tensor]) -> Tensor | None:
-    """The flat mean of a bucket of ``grads`` if one side-by-side run carried all of it,
-    in order and in the gradients' dtype; else ``None``."""
+def whole_bucket(runs: Sequence[Run], known: Any) -> Tensor | None:
+    """The flat mean of a bucket (``known``: its survey, with the gradients' ``sizes``,
+    ``total`` and common ``dtype``) if one side-by-side run carried all of it, in order
+    and in the gradients' dtype; else ``None``."""
     if len(runs) != 1:
         return None
     run = runs[0]
     outcome = run.outcome
-    if outcome is None or outcome.mean.dim() != 1 or run.members != list(range(len(grads))):
+    if outcome is None or outcome.mean.dim() != 1 or len(run.members) != len(known.sizes):
+        return None  # (a run's members are distinct indices: as many means all, in order)
+    if known.dtype != outcome.mean.dtype or outcome.mean.numel() != known.total:
         return None
-    if any(item.dtype != outcome.mean.dtype for item in grads):
-        return None
-    return outcome.mean if outcome.mean.numel() == sum(g.numel() for g in grads) else None
+    return outcome.mean
 
 
-def bucket_means(runs: Sequence[Run], grads: Sequence[Tensor]) -> Means:
-    """The means of a bucket of ``grads`` that ``runs`` exchanged, made on first use."""
-    return Means(lambda: run_means(runs, grads), len(grads), whole_bucket(runs, grads))
+def bucket_means(runs: Sequence[Run], known: Any) -> Means:
+    """The means of a bucket (``known``: its survey) that ``runs`` exchanged, made on
+    first use."""
+    grads = known.grads
+    return Means(lambda: run_means(runs, grads), len(grads), whole_bucket(runs, known))
 
 
 def run_means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:

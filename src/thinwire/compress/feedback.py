@@ -165,6 +165,12 @@ class NoMemory(Memory):
         """Return the gradient in fp32, unchanged."""
         return grad if grad.dtype == torch.float32 else grad.float()
 
+    def compensate_many(
+        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+    ) -> list[Tensor]:
+        """Every gradient in fp32 (the same tensors where they are)."""
+        return [g if g.dtype == torch.float32 else g.float() for g in grads]
+
     def update(self, corrected: Tensor, sent: Exchanged, slot: Slot, compressed: bool) -> None:
         """Nothing to remember."""
 

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.collectives import Communicator, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem
+from thinwire.comm.survey import KeptItems
 from thinwire.compress.base import Compressor, Memory, check_flag
 from thinwire.compress.registry import compressor as build_compressor
 
@@ -86,7 +87,7 @@ class HookState:
             position = {name: i for i, name in enumerate(restored)}
             order.sort(key=lambda i: position[names[i]])
         views = [views[i] for i in order]
-        items = [GradientItem(names[i], views[k], params[i]) for k, i in enumerate(order)]
+        items = KeptItems(GradientItem(names[i], views[k], params[i]) for k, i in enumerate(order))
         in_buffer_order = order == sorted(order)
         self.engine.bucket_orders[index] = [names[i] for i in order]
         self.layouts[index] = (signature, views, items, in_buffer_order)
