@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     first_diff = compare_with_cpu(layouts, 1) if compared else {}
     cpu_diff = compare_with_cpu(layouts, -1) if compared else {}
 
-    table = Table(title="DDP + thinwire hook, ResNet-18 width 32, batch 32, one H100")
+    gpu = environment["gpu"]
+    table = Table(title=f"DDP + thinwire hook, ResNet-18 width 32, batch 32, one {gpu}")
     for column in ("layout", "method", "dtype", "ok", "loss first -> last", "step ms", "note"):
         table.add_column(column)
     for name, layout in layouts.items():

@@ -435,3 +435,9 @@ def test_large_tensors_go_as_segments_off_the_cpu_only(name: str) -> None:
             assert [(g.members, g.how) for g in large] == [([0, 1, 2], "segments")], groups
         else:
             assert all(g.how == "alone" for g in large) and len(large) == 3, groups
+    if name in ("onebit", "signsgd", "terngrad", "qsgd"):  # deterministic: each alone
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert not compressor.segments_large(torch.device("meta"))
+        finally:
+            torch.use_deterministic_algorithms(False)

@@ -146,13 +146,17 @@ class Compressor(ABC):
     transparent: ClassVar[bool] = False
 
     #: whether a segmented compressor takes large tensors as segments too off the CPU
-    #: (where each one's own chunked path is not faster: a GPU launches per kernel)
+    #: (where each one's own chunked path is not faster: a GPU launches per kernel),
+    #: unless deterministic algorithms are asked for: a deterministic ``index_add_``
+    #: sums a long segment slowly (8x a ResNet-18's step with a sum per tensor, H100)
     large_segments_off_cpu: ClassVar[bool] = False
 
     def segments_large(self, device: torch.device) -> bool:
         """Whether a segmented compressor takes a bucket's large tensors (on ``device``)
         side by side too, as one more run of segments, rather than one at a time."""
-        return self.large_segments_off_cpu and device.type != "cpu"
+        if not self.large_segments_off_cpu or device.type == "cpu":
+            return False
+        return not torch.are_deterministic_algorithms_enabled()
 
     # -- which tensors it handles ---------------------------------------------------------
 
