@@ -28,8 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from thinwire.errors import CheckpointError
+from thinwire.parallel.atomic_save import checkpoint_to_read, describe_failures, save_atomically
 from thinwire.parallel.plan import ParallelPlan
 
 
@@ -64,8 +67,21 @@ def collect_state(
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
-    """Write ``state`` (every rank's) to the directory ``path``. Collective."""
-    dcp.save(state, checkpoint_id=str(path))
+    """Write ``state`` (every rank's) to the directory ``path``, atomically: a run killed
+    while saving leaves the last checkpoint whole (:mod:`thinwire.parallel.atomic_save`).
+    Collective."""
+    save_atomically(lambda folder: dcp.save(state, checkpoint_id=folder), path)
+
+
+def _read(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` into ``state``; its failure (a ``BaseException``) as a CheckpointError."""
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as error:
+        raise CheckpointError(
+            f"could not read the checkpoint at {path}: {describe_failures(error)}: it is "
+            "damaged, or was written by another version"
+        ) from None
 
 
 def _placeholder(value: Tensor, saved: TensorStorageMetadata) -> Tensor:
@@ -85,7 +101,14 @@ def load_checkpoint(
 ) -> int:
     """Read the checkpoint at ``path`` into this rank's parameters, optimizer (and, under
     the same plan, exchange engine); the number of steps it had taken. Collective."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    path = checkpoint_to_read(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"the checkpoint at {path} has no metadata: it is not a checkpoint, or its save "
+            "did not finish"
+        ) from None
     missing = [name for name, _ in named if f"model.{name}" not in metadata]
     if missing:
         raise ValueError(
@@ -103,11 +126,11 @@ def load_checkpoint(
     state.update({"optim.param_groups": None, "plan": None, "steps": torch.tensor(0)})
     same_plan = engine is not None and _engine_key() in metadata
     probe: dict[str, Any] = {"plan": None}
-    dcp.load(probe, checkpoint_id=str(path))
+    _read(probe, path)
     same_plan = same_plan and probe["plan"] == plan.describe()
     if same_plan:
         state[_engine_key()] = io.BytesIO()
-    dcp.load(state, checkpoint_id=str(path))
+    _read(state, path)
     for p, key, full_key in slots:
         optimizer.state[p][key] = state[full_key]
     groups = json.loads(state["optim.param_groups"])
