@@ -3,6 +3,7 @@ runs (``thinwire cluster fault``), and what training does through them."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import subprocess
 import sys
@@ -161,3 +162,61 @@ def test_the_command_line_takes_a_link_down_and_connections_wait_for_it() -> Non
     assert len(times) == 150  # every request got through, the one in the outage too
     assert max(times) >= 1.0, times  # it waited for the link (TCP retransmitted)
     assert sorted(times)[len(times) // 2] < 0.5, times  # the others did not
+
+
+def test_bench_faults_parse_and_are_ordered_once_at_their_step() -> None:
+    from thinwire.bench.faults import FaultSchedule, parse_fault
+
+    fault = parse_fault("1:down=2s@5", hosts=2, steps=20)
+    assert (fault.host, fault.kind, fault.value, fault.step) == (1, "down", "2s", 5)
+    assert parse_fault("0:loss=0.01@0", hosts=2, steps=20).order() == {"host": 0, "loss": 0.01}
+    for text, says in [
+        ("1:down=2s", "HOST:KIND=VALUE@STEP"),
+        ("1:drop=2s@3", "HOST:KIND=VALUE@STEP"),
+        ("4:down=2s@3", "host must be an integer from 0 to 1"),
+        ("1:loss=lots@3", "loss must be a share"),
+        ("1:loss=2@3", "loss must be a share of packets from 0 to 1"),
+        ("1:rate=fast@3", "fast"),
+        ("1:down=2s@20", "past the run's 20 steps"),
+    ]:
+        with pytest.raises(ValueError, match=None) as caught:
+            parse_fault(text, hosts=2, steps=20)
+        assert says in str(caught.value), (text, str(caught.value))
+    orders: list[dict] = []
+    schedule = FaultSchedule([fault], lambda **order: orders.append(order), hosts=2)
+    for step in (0, 4, 5, 6, 9):
+        schedule.poll(step)
+    schedule.clear()
+    assert orders == [{"host": 1, "down": "2s"}, {"host": 1, "clear": True}]
+    assert [a["at_step"] for a in schedule.applied] == [5]
+
+
+def test_bench_refuses_faults_without_the_emulated_cluster() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "thinwire.cli", "bench", "--task", "digits", "--workers", "2",
+         "--steps", "4", "--methods", "dense", "--network", "loopback",
+         "--fault", "1:down=1s@2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--fault needs --network emulated" in done.stdout, done
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_bench_rides_through_a_link_outage_and_records_it(tmp_path) -> None:
+    import json
+
+    done = subprocess.run(
+        [sys.executable, "-m", "thinwire.cli", "bench", "--task", "digits", "--workers", "2",
+         "--steps", "30", "--methods", "dense", "--no-eval", "--bandwidth", "100mbit",
+         "--fault", "1:down=3s@10", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (record,) = json.loads((tmp_path / "results.json").read_text())
+    (applied,) = record["faults"]
+    assert applied["fault"] == "1:down=3s@10" and 10 <= applied["at_step"] < 30, applied
+    assert len(record["loss_history"]) == 30  # every step trained, through the outage
+    times = record["time_history_s"]
+    stall = max(b - a for a, b in itertools.pairwise(times))
+    assert stall >= 2.5, times  # one step waited out the 3 s outage (TCP retransmits)

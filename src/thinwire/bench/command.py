@@ -58,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="server shards K of ps-sync and ps-async (ranks 0..K-1 also serve; default 1)",
     )
     parser.add_argument("--task-options", default="", help="JSON, e.g. '{\"batch_size\": 64}'")
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="HOST:KIND=VALUE@STEP",
+        help="break a host's link when each method's run reaches STEP: down=5s (an outage), "
+        "loss=0.01 (a share of packets lost), rate=10mbit (slowed); repeatable; "
+        "emulated network only, e.g. --fault 1:down=5s@20",
+    )
     parser.add_argument("--steps", type=int, default=20, help="training steps per method")
     parser.add_argument(
         "--repeats",
@@ -154,6 +163,7 @@ def _json_option(flag: str, text: str | None) -> Any:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark the arguments describe; print the table, write JSON and plots."""
+    from thinwire.bench.faults import parse_fault
     from thinwire.bench.methods import parse_methods
     from thinwire.bench.repeats import summarise_repeats
     from thinwire.bench.report import plot, repeats_table, results_table, timing_warnings
@@ -203,6 +213,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             compute=args.compute,
             broadcast_buffers=not args.no_broadcast_buffers,
             repeats=args.repeats,
+            faults=tuple(parse_fault(f, args.workers, args.steps) for f in args.fault),
             timeout_s=args.timeout,
         )
     except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError

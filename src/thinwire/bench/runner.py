@@ -33,6 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from thinwire.bench.faults import FaultSchedule, ScheduledFault
 from thinwire.bench.methods import Method
 from thinwire.bench.ratios import add_ratios, throughput_step_s
 from thinwire.bench.repeats import by_repeat, check_repeats, repeat_label, repeat_order
@@ -77,6 +78,8 @@ class BenchConfig:
     compute: str = "real"
     broadcast_buffers: bool = True
     repeats: int = 1
+    #: link faults ordered in every method's run (:mod:`thinwire.bench.faults`)
+    faults: tuple[ScheduledFault, ...] = ()
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
@@ -123,6 +126,8 @@ class BenchConfig:
                 )
         parse_rate(self.bandwidth)
         parse_duration(self.latency)
+        if self.faults and self.network != "emulated":
+            raise ValueError("--fault needs --network emulated (faults break emulated links)")
         if not isinstance(self.task_options, dict):
             raise ValueError(f"task options must be a JSON object, got {self.task_options!r}")
         build_task(self.task, seed=self.seed, **self.task_options)  # unknown task or option
@@ -155,7 +160,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     records = []
     with (
-        _network(config, console) as (placement, interface, describe, check_network),
+        _network(config, console) as (placement, interface, describe, check_network, order_fault),
         tempfile.TemporaryDirectory() as scratch,
     ):
         progress_file = str(Path(scratch) / "progress")
@@ -202,22 +207,30 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         broadcast_buffers=config.broadcast_buffers,
                     )
                     Path(progress_file).unlink(missing_ok=True)
+                    schedule = FaultSchedule(config.faults, order_fault, config.workers)
 
-                    def update(shown: Any = shown) -> None:
+                    def update(shown: Any = shown, schedule: Any = schedule) -> None:
                         check_network()
                         seen = read_progress(progress_file)
                         if seen:
                             bar.update(shown, completed=seen[0], loss=f"loss {seen[1]:.3f}")
+                        schedule.poll(seen[0] if seen else 0)
 
                     began = time.perf_counter()
-                    ranks = pool.run(
-                        train_method, job, timeout=config.timeout_s, while_waiting=update
-                    )
+                    try:
+                        ranks = pool.run(
+                            train_method, job, timeout=config.timeout_s, while_waiting=update
+                        )
+                    finally:
+                        if schedule.faults:
+                            schedule.clear()
                     wall = time.perf_counter() - began
                     bar.update(
                         shown, completed=config.steps, loss=f"loss {ranks[0]['losses'][-1]:.3f}"
                     )
                     records.append(_record(config, method, repeat, ranks, wall, describe))
+                    if schedule.faults:
+                        records[-1]["faults"] = schedule.applied
                     add_ratios(records)
                     _save(records, out)  # a later failure keeps what was measured
     add_ratios(records)
@@ -325,10 +338,13 @@ def split_link_time(
     return bandwidth, small_s - small_bytes * 8 / bandwidth
 
 
+#: what a run's network gives it: the ranks' placement, the interface, its description, a
+#: check that it still works, and how to order a link fault
+NetworkParts = tuple[Placement | None, str, dict[str, Any], Callable[[], None], Callable[..., None]]
+
+
 @contextlib.contextmanager
-def _network(
-    config: BenchConfig, console: Console
-) -> Iterator[tuple[Placement | None, str, dict[str, Any], Callable[[], None]]]:
+def _network(config: BenchConfig, console: Console) -> Iterator[NetworkParts]:
     if config.network == "loopback":
         described = {"network": "loopback", "bandwidth": None, "latency": None}
         with contextlib.ExitStack() as stack:
@@ -343,11 +359,11 @@ def _network(
                     f"loopback: the machine's own ({reason}), so its byte counts include "
                     "whatever else crosses it meanwhile"
                 )
-                yield None, "lo", {**described, "loopback_private": False}, _fine
+                yield None, "lo", {**described, "loopback_private": False}, _fine, _no_faults
                 return
             console.print("loopback: a private network namespace, only this run's traffic")
             placement = Placement((namespace,) * config.workers, "127.0.0.1", "lo")
-            yield placement, "lo", {**described, "loopback_private": True}, _fine
+            yield placement, "lo", {**described, "loopback_private": True}, _fine, _no_faults
         return
     if config.network != "emulated":
         raise ValueError(f"--network must be 'emulated' or 'loopback', got {config.network!r}")
@@ -371,11 +387,17 @@ def _network(
                 "latency_s": cluster.latency_s,
             },
             lambda: _check_switch(cluster),
+            cluster.fault,
         )
 
 
 def _fine() -> None:
     """Loopback needs no watching."""
+
+
+def _no_faults(**order: Any) -> None:
+    """Loopback has no links to break (refused before any run: BenchConfig)."""
+    raise ValueError("link faults need the emulated cluster")
 
 
 def _check_switch(cluster: EmulatedCluster) -> None:
