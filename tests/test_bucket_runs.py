@@ -441,3 +441,28 @@ def test_large_tensors_go_as_segments_off_the_cpu_only(name: str) -> None:
             assert not compressor.segments_large(torch.device("meta"))
         finally:
             torch.use_deterministic_algorithms(False)
+
+
+def test_a_kept_bucket_is_surveyed_once_and_not_kept_alive() -> None:
+    """The engine surveys a list the caller keeps (a DDP hook's bucket) once, and holds it
+    only weakly: when DDP rebuilds its buckets, the old buffer must be freed."""
+    import gc
+    import weakref
+
+    from thinwire.comm import GradientItem
+    from thinwire.comm.survey import KeptItems, Surveys
+
+    surveys = Surveys(thinwire.compressor("topk", density=0.5))
+    buffer = torch.zeros(30)
+    items = KeptItems([GradientItem("w", buffer[:20].view(4, 5)), GradientItem("b", buffer[20:])])
+    first = surveys.of(items)
+    assert surveys.of(items) is first  # the same kept list: the same survey
+    assert surveys.of(list(items)) is not first  # any other list: surveyed anew
+    assert (first.keys, first.sizes, first.total) == (["w", "b"], [20, 10], 30)
+    assert first.compressed == [True, False]  # top-k sends a 1-D tensor dense
+    slots = first.slots(3, 2, 1)
+    assert slots[1] == Slot("b", 3, 2, 1) and first.slots(3, 2, 1) is slots
+    gone = weakref.ref(buffer)
+    del items, buffer
+    gc.collect()
+    assert gone() is None  # the survey kept neither the items nor their gradients

@@ -271,7 +271,7 @@ class GradientExchange:
             self._before_step = self.compressor.snapshot()
         known = batch.known = self._surveys.of(items)  # keys, sizes, what is compressed
         slots = known.slots(self.step, self.world_size, self.rank)
-        compressed, grads = known.compressed, known.grads
+        compressed, grads = known.compressed, [item.grad for item in items]
         self._current.dense_bytes += known.total * 4
         plain = isinstance(self.memory, NoMemory)
         if plain and known.dtype == torch.float32:  # nothing to compensate or convert
@@ -372,7 +372,7 @@ class GradientExchange:
             update_memory(self.memory, batch.runs)
         self._current.tensors += len(batch.items)
         assert batch.known is not None  # surveyed by _start
-        return bucket_means(batch.runs, batch.known)
+        return bucket_means(batch.runs, [item.grad for item in batch.items], batch.known)
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add

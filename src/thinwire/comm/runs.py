@@ -375,10 +375,9 @@ def whole_bucket(runs: Sequence[Run], known: Any) -> Tensor | None:
     return outcome.mean
 
 
-def bucket_means(runs: Sequence[Run], known: Any) -> Means:
-    """The means of a bucket (``known``: its survey) that ``runs`` exchanged, made on
-    first use."""
-    grads = known.grads
+def bucket_means(runs: Sequence[Run], grads: Sequence[Tensor], known: Any) -> Means:
+    """The means of a bucket of ``grads`` (``known``: its survey) that ``runs``
+    exchanged, made on first use."""
     return Means(lambda: run_means(runs, grads), len(grads), whole_bucket(runs, known))
 
 

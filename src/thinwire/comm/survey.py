@@ -13,6 +13,7 @@ gradients held here).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +30,7 @@ class Survey:
     takes (an empty tensor has nothing to compress: top-k would ask for 1 of 0 entries),
     their sizes and dtype."""
 
-    items: Sequence[Any]
     keys: list[str]
-    grads: list[Tensor]
     params: list[Tensor | None]
     compressed: list[bool]
     #: each gradient's number of values, and their total
@@ -78,9 +77,7 @@ def survey(items: Sequence[Any], compressor: Compressor) -> Survey:
     sizes = [g.numel() for g in grads]
     dtypes = {g.dtype for g in grads}
     return Survey(
-        items=items,
         keys=[item.key for item in items],
-        grads=grads,
         params=[item.param for item in items],
         compressed=[n > 0 and compressor.compresses(g) for g, n in zip(grads, sizes, strict=True)],
         sizes=sizes,
@@ -96,23 +93,25 @@ class KeptItems(list):
 
 class Surveys:
     """The surveys of :class:`KeptItems` lists, by identity; any other list is surveyed
-    at each call."""
+    at each call. A survey holds neither the items nor their gradients, and the list only
+    weakly: when DDP rebuilds its buckets, the old buffers are not kept alive here."""
 
     #: surveys kept at most (a model's buckets; more means the caller's lists changed)
     LIMIT = 256
 
     def __init__(self, compressor: Compressor) -> None:
         self.compressor = compressor
-        self._kept: dict[int, Survey] = {}
+        self._kept: dict[int, tuple[weakref.ref, Survey]] = {}
 
     def of(self, items: Sequence[Any]) -> Survey:
         """``items``' survey: the kept one if this very kept list was surveyed before."""
         if not isinstance(items, KeptItems):
             return survey(items, self.compressor)
-        known = self._kept.get(id(items))
-        if known is not None and known.items is items:
-            return known
+        kept = self._kept.get(id(items))
+        if kept is not None and kept[0]() is items:
+            return kept[1]
         if len(self._kept) >= self.LIMIT:
             self._kept.clear()
-        known = self._kept[id(items)] = survey(items, self.compressor)
+        known = survey(items, self.compressor)
+        self._kept[id(items)] = (weakref.ref(items), known)
         return known
