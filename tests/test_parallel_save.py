@@ -135,3 +135,37 @@ def test_a_missing_or_unfinished_checkpoint_is_named(pool2, tmp_path: Path) -> N
     for missing, unfinished in pool2.run(_resume_from_each, folders, timeout=100):
         assert "no checkpoint at" in missing and "nothing-here" in missing, missing
         assert "has no metadata" in unfinished and "did not finish" in unfinished, unfinished
+
+
+def _checkpoints_with_a_trainer(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """thinwire.Checkpoints holding a trainer beside a plain object: saves at steps 1 and
+    2 (keep=1 prunes step 1, its DCP folder too), a fresh trainer restores step 2."""
+    import thinwire
+
+    checkpoints = thinwire.Checkpoints(folder, keep=1)
+    trainer = _trainer()
+    counter = torch.nn.Linear(1, 1)  # any per-rank object beside the trainer
+    for step in (1, 2):
+        _train(trainer, 1)
+        checkpoints.save(step, trainer=trainer, counter=counter)
+    weights = {k: v.clone() for k, v in trainer.full_state_dict().items()}
+    _train(trainer, 1)
+    trainer.close()
+    fresh = _trainer()
+    restored = checkpoints.restore(trainer=fresh, counter=torch.nn.Linear(1, 1))
+    resumed = fresh.full_state_dict()
+    fresh.close()
+    return {
+        "restored": restored,
+        "steps": fresh.steps,
+        "same": all(torch.equal(resumed[k], v) for k, v in weights.items()),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_checkpoints_save_and_restore_a_trainer_beside_other_objects(pool2, tmp_path) -> None:
+    for result in pool2.run(_checkpoints_with_a_trainer, str(tmp_path), timeout=150):
+        assert result == {"restored": 2, "steps": 2, "same": True}, result
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert (tmp_path / "step-00000002" / "trainer" / ".metadata").exists()

@@ -11,7 +11,9 @@ Every object with ``state_dict()``/``load_state_dict()`` can be named: the model
 optimizer, and whatever thinwire front end holds state (the DDP hook's engine,
 ``DistributedOptimizer``, ``DelayedAveraging`` (flushed first), ``DiLoCo``,
 ``ParameterServer``; sparse embedding tables through the model and its optimizer).
-``ParallelTrainer`` keeps its own ``save``/``load`` through DCP. thinwire's state is
+A ``ParallelTrainer`` is written through its own ``save`` (DCP, atomic, resharded when
+loaded) into the step's folder, ``step-00000050/<name>/`` (so the folder must then be on a
+file system every rank sees, as DCP needs). thinwire's state is
 per rank (error feedback, momenta, warm starts, shards), so each rank writes its own file,
 ``step-00000050/rank-00003.pt``, and beside it a record ``rank-00003.json`` of its size and
 SHA-256. Both are written under temporary names, flushed to disk and renamed into place,
@@ -35,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -132,6 +135,13 @@ def _flush_pending(obj: Any) -> None:
         obj.flush()
 
 
+def _own_state(obj: Any) -> Any:
+    """What this rank's file keeps of ``obj``: its state, or for an object that saves
+    itself sharded (``saves_sharded``: a hybrid-parallel trainer, through DCP into the
+    step's folder), only that it did."""
+    return {"saved_sharded": True} if getattr(obj, "saves_sharded", False) else obj.state_dict()
+
+
 class Checkpoints:
     """Numbered per-rank checkpoints in ``directory`` (see the module's description).
 
@@ -169,16 +179,19 @@ class Checkpoints:
         self._check_objects(objects)
         for obj in objects.values():
             _flush_pending(obj)
+        folder = self.directory / _step_dir(step)
+        for name, obj in objects.items():  # collective, each its own atomic folder
+            if getattr(obj, "saves_sharded", False):
+                obj.save(folder / name)
         payload = {
             "format": FORMAT,
             "step": step,
             "rank": self.rank,
             "world": self.world,
             "types": {name: type(obj).__name__ for name, obj in objects.items()},
-            "states": {name: obj.state_dict() for name, obj in objects.items()},
+            "states": {name: _own_state(obj) for name, obj in objects.items()},
             "rng": rng_state(),
         }
-        folder = self.directory / _step_dir(step)
         target = folder / f"{_rank_name(self.rank)}.pt"
         failure: BaseException | None = None
         try:
@@ -243,6 +256,8 @@ class Checkpoints:
                     if name.startswith(mine):
                         with contextlib.suppress(FileNotFoundError):
                             (folder / name).unlink()
+                    elif self.rank == 0 and not name.startswith(("rank-", ".rank-")):
+                        shutil.rmtree(folder / name, ignore_errors=True)  # a sharded save
                 with contextlib.suppress(OSError):
                     folder.rmdir()  # only when no other rank's files remain
         except OSError as error:
@@ -386,6 +401,10 @@ class Checkpoints:
         self._check_identity(payload, objects, step)
         loaded: list[str] = []
         for name, obj in objects.items():
+            if getattr(obj, "saves_sharded", False):  # collective: every rank, same order
+                obj.load(self.directory / _step_dir(step) / name)
+                loaded.append(name)
+                continue
             try:
                 obj.load_state_dict(payload["states"][name])
             except Exception as error:
@@ -437,6 +456,8 @@ class Checkpoints:
     @staticmethod
     def _check_objects(objects: Mapping[str, Any]) -> None:
         for name, obj in objects.items():
+            if getattr(obj, "saves_sharded", False):
+                continue  # saved and loaded through its own save(path) and load(path)
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(
                     f"{name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(): "

@@ -47,7 +47,13 @@ class ParallelTrainer:
         mesh: the device mesh ``("pp", "dp", "tp")``.
         stages: the stage modules this rank runs (tensor-parallel shards under ``tp > 1``).
         optimizer: what is stepped (a :class:`~thinwire.DistributedOptimizer` when ``dp > 1``).
+
+    ``thinwire.Checkpoints`` saves a trainer through :meth:`save` (DCP, resharded on load)
+    into its step's folder, beside the other objects' per-rank files (``saves_sharded``).
     """
+
+    #: :class:`thinwire.Checkpoints` writes it with :meth:`save` and reads it with :meth:`load`
+    saves_sharded = True
 
     def __init__(
         self,
