@@ -183,7 +183,7 @@ def test_bench_faults_parse_and_are_ordered_once_at_their_step() -> None:
             parse_fault(text, hosts=2, steps=20)
         assert says in str(caught.value), (text, str(caught.value))
     orders: list[dict] = []
-    schedule = FaultSchedule([fault], lambda **order: orders.append(order), hosts=2)
+    schedule = FaultSchedule([fault], lambda **order: orders.append(order))
     for step in (0, 4, 5, 6, 9):
         schedule.poll(step)
     schedule.clear()

@@ -71,8 +71,8 @@ class FaultSchedule:
     """Orders one run's faults as it reaches their steps (:meth:`poll`), and undoes them
     all at its end (:meth:`clear`). ``order(**kwargs)``: the cluster's ``fault``."""
 
-    def __init__(self, faults: Sequence[ScheduledFault], order: Callable[..., None], hosts: int):
-        self.faults, self.order, self.hosts = list(faults), order, hosts
+    def __init__(self, faults: Sequence[ScheduledFault], order: Callable[..., None]) -> None:
+        self.faults, self.order = list(faults), order
         self.applied: list[dict[str, Any]] = []
         self._began = time.perf_counter()
 

@@ -207,7 +207,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
                         broadcast_buffers=config.broadcast_buffers,
                     )
                     Path(progress_file).unlink(missing_ok=True)
-                    schedule = FaultSchedule(config.faults, order_fault, config.workers)
+                    schedule = FaultSchedule(config.faults, order_fault)
 
                     def update(shown: Any = shown, schedule: Any = schedule) -> None:
                         check_network()

@@ -81,8 +81,9 @@ class _Batch:
     poison: bool | Tensor = False
     #: the batch's finiteness checks (to name the tensors of a step refused later)
     checks: FiniteChecks | None = None
-    #: what its items are (their gradients, sizes and dtype)
+    #: what its items are (keys, sizes, dtype), and their gradients
     known: Survey | None = None
+    grads: list[Tensor] | None = None
 
     @property
     def done(self) -> bool:
@@ -271,7 +272,8 @@ class GradientExchange:
             self._before_step = self.compressor.snapshot()
         known = batch.known = self._surveys.of(items)  # keys, sizes, what is compressed
         slots = known.slots(self.step, self.world_size, self.rank)
-        compressed, grads = known.compressed, [item.grad for item in items]
+        compressed = known.compressed
+        grads = batch.grads = [item.grad for item in items]
         self._current.dense_bytes += known.total * 4
         plain = isinstance(self.memory, NoMemory)
         if plain and known.dtype == torch.float32:  # nothing to compensate or convert
@@ -371,8 +373,8 @@ class GradientExchange:
         if not isinstance(self.memory, NoMemory):
             update_memory(self.memory, batch.runs)
         self._current.tensors += len(batch.items)
-        assert batch.known is not None  # surveyed by _start
-        return bucket_means(batch.runs, [item.grad for item in batch.items], batch.known)
+        assert batch.known is not None and batch.grads is not None  # set by _start
+        return bucket_means(batch.runs, batch.grads, batch.known)
 
     def _drop_step(self) -> None:
         """Undo a step whose exchange failed: it is not taken, so its counts must not add

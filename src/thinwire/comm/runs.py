@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from thinwire.comm.survey import Survey
 from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory, RunUpdate, Slot
 from thinwire.compress.segments import SMALL, side_by_side
 
@@ -360,7 +361,7 @@ class Means(Sequence[Tensor]):
         return iter(self._all())
 
 
-def whole_bucket(runs: Sequence[Run], known: Any) -> Tensor | None:
+def whole_bucket(runs: Sequence[Run], known: Survey) -> Tensor | None:
     """The flat mean of a bucket (``known``: its survey, with the gradients' ``sizes``,
     ``total`` and common ``dtype``) if one side-by-side run carried all of it, in order
     and in the gradients' dtype; else ``None``."""
@@ -375,7 +376,7 @@ def whole_bucket(runs: Sequence[Run], known: Any) -> Tensor | None:
     return outcome.mean
 
 
-def bucket_means(runs: Sequence[Run], grads: Sequence[Tensor], known: Any) -> Means:
+def bucket_means(runs: Sequence[Run], grads: Sequence[Tensor], known: Survey) -> Means:
     """The means of a bucket of ``grads`` (``known``: its survey) that ``runs``
     exchanged, made on first use."""
     return Means(lambda: run_means(runs, grads), len(grads), whole_bucket(runs, known))

@@ -26,9 +26,9 @@ from thinwire.compress.base import Compressor, Slot, check_floating
 
 @dataclass
 class Survey:
-    """A bucket's items: their keys, gradients, parameters, which ones the compressor
-    takes (an empty tensor has nothing to compress: top-k would ask for 1 of 0 entries),
-    their sizes and dtype."""
+    """A bucket's items: their keys, parameters, which ones the compressor takes (an
+    empty tensor has nothing to compress: top-k would ask for 1 of 0 entries), their
+    sizes and dtype."""
 
     keys: list[str]
     params: list[Tensor | None]
@@ -88,7 +88,7 @@ def survey(items: Sequence[Any], compressor: Compressor) -> Survey:
 
 class KeptItems(list):
     """A list of (frozen) gradient items that its caller keeps and hands to the engine
-    again and again, unchanged, for as long as the engine lives (a DDP hook's bucket)."""
+    again and again, unchanged (a DDP hook's bucket)."""
 
 
 class Surveys:

@@ -148,7 +148,7 @@ class Compressor(ABC):
     #: whether a segmented compressor takes large tensors as segments too off the CPU
     #: (where each one's own chunked path is not faster: a GPU launches per kernel),
     #: unless deterministic algorithms are asked for: a deterministic ``index_add_``
-    #: sums a long segment slowly (8x a ResNet-18's step with a sum per tensor, H100)
+    #: sums a long segment slowly (6-8x a ResNet-18's step with a sum per tensor, H100)
     large_segments_off_cpu: ClassVar[bool] = False
 
     def segments_large(self, device: torch.device) -> bool:

@@ -433,17 +433,25 @@ def _update_runs(runs: Sequence[RunUpdate], mask: Callable[[RunUpdate, bool], No
     for run in runs:
         whole = _zero_run(run.correcteds, run.outcome)
         if not whole:
-            for corrected, sent in zip(run.correcteds, run.results(), strict=True):
-                if sent.sent_indices is not None:
-                    _subtract_sent(corrected, sent)
-                elif sent.local is None:
-                    raise ValueError("an exchange reported neither what it sent nor its indices")
-                else:
-                    dense.append((corrected, sent.local))
+            _zero_sparse(run.correcteds, run.results(), dense)
         if mask is not None:
             mask(run, whole)
     if dense:
         torch._foreach_sub_([c for c, _ in dense], [local for _, local in dense])
+
+
+def _zero_sparse(
+    correcteds: Sequence[Tensor], sents: Sequence[Exchanged], dense: list[tuple[Tensor, Tensor]]
+) -> None:
+    """Zero what the sparse sends among ``sents`` sent; add the dense ones' pairs of
+    (buffer, what was sent) to ``dense``, to subtract in one multi-tensor operation."""
+    for corrected, sent in zip(correcteds, sents, strict=True):
+        if sent.sent_indices is not None:
+            _subtract_sent(corrected, sent)
+        elif sent.local is None:
+            raise ValueError("an exchange reported neither what it sent nor its indices")
+        else:
+            dense.append((corrected, sent.local))
 
 
 def _zero_run(buffers: Sequence[Tensor], outcome: Exchanged) -> bool:
@@ -461,12 +469,8 @@ def _zero_run(buffers: Sequence[Tensor], outcome: Exchanged) -> bool:
 def _subtract_all_sent(correcteds: Sequence[Tensor], sents: Sequence[Exchanged]) -> None:
     """:func:`_subtract_sent` for several tensors: dense sends in one multi-tensor
     subtraction."""
-    dense = [(c, s.local) for c, s in zip(correcteds, sents, strict=True) if s.sent_indices is None]
-    for corrected, sent in zip(correcteds, sents, strict=True):
-        if sent.sent_indices is not None:
-            _subtract_sent(corrected, sent)
-    if any(local is None for _, local in dense):
-        raise ValueError("an exchange reported neither what it sent nor its indices")
+    dense: list[tuple[Tensor, Tensor]] = []
+    _zero_sparse(correcteds, sents, dense)
     if dense:
         torch._foreach_sub_([c for c, _ in dense], [local for _, local in dense])
 
