@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
+# test processes side by side (pytest-xdist); tests/conftest.py groups what must not overlap
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.thinwire-installed
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
@@ -33,7 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/thinwire demo

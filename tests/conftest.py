@@ -92,3 +92,54 @@ def _first_report(target: Callable[..., None], *args: Any, timeout: float = 60.0
 def first_report() -> Callable[..., Any]:
     """Two fresh processes racing to report (for tests where one rank dies or stalls)."""
     return _first_report
+
+
+#: modules whose tests build network namespaces or emulated clusters, or assert that none
+#: is left: under ``pytest -n`` they share one worker, one test at a time
+NAMESPACE_MODULES = frozenset(
+    {
+        "test_bench.py",
+        "test_cluster.py",
+        "test_hybrid_sleep.py",
+        "test_link_faults.py",
+        "test_plan_spec.py",
+        "test_private_loopback.py",
+    }
+)
+#: the modules that take longest, started first under ``pytest -n`` so that no worker is
+#: left with a long module at the end (a scheduling hint only: any order is correct)
+LONGEST_FIRST = (
+    "test_parallel_parity.py",
+    "test_training.py",
+    "test_examples.py",
+    "test_delayed.py",
+    "test_checkpoint.py",
+    "test_integrations.py",
+    "test_sparse.py",
+    "test_errors.py",
+    "test_ps.py",
+    "test_parallel_errors.py",
+)
+
+
+def _work_group(item: pytest.Item) -> str:
+    """The unit of work an ``-n`` worker takes whole: the namespace group, else the module
+    (so that a module's process pools are spawned once)."""
+    module = item.path.name
+    return "namespaces" if module in NAMESPACE_MODULES else module
+
+
+def _start_rank(group: str) -> int:
+    if group == "namespaces":
+        return -1
+    return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each item goes
+    in its work group, the longest groups first; a plain ``pytest`` keeps its order."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_work_group(item)))
+    items.sort(key=lambda item: _start_rank(_work_group(item)))  # stable: modules stay whole

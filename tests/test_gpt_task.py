@@ -25,7 +25,11 @@ def _own_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tokens_are_made_once_then_read_from_the_cache() -> None:
     first = load_tokens(512, max_bytes=300_000)
     files = sorted(p.name for p in cache_dir().rglob("*") if p.is_file())
-    assert files == ["held_out.npy", "tokenizer.json", "train.npy"]
+    assert [f for f in files if not f.endswith(".lock")] == [
+        "held_out.npy",
+        "tokenizer.json",
+        "train.npy",
+    ]
     stamp = {p: p.stat().st_mtime_ns for p in cache_dir().rglob("*.npy")}
     again = load_tokens(512, max_bytes=300_000)
     assert {p: p.stat().st_mtime_ns for p in cache_dir().rglob("*.npy")} == stamp
@@ -33,6 +37,38 @@ def test_tokens_are_made_once_then_read_from_the_cache() -> None:
     assert int(first.train.max()) < 512 and int(first.train.min()) >= 0
     # BPE merges bytes: fewer tokens than bytes
     assert len(first.train) < 300_000 * 0.6
+
+
+def _load_counting(log: str, results) -> None:  # type: ignore[no-untyped-def]
+    """In a fresh process: load the tokens, noting in ``log`` each tokeniser trained."""
+    import thinwire.tasks.tokens as tokens
+
+    train = tokens._train_tokenizer
+
+    def counted(text, vocab):  # type: ignore[no-untyped-def]
+        with open(log, "a") as out:
+            out.write("trained\n")
+        return train(text, vocab)
+
+    tokens._train_tokenizer = counted
+    results.put(int(load_tokens(512, max_bytes=300_000).train.sum()))
+
+
+def test_ranks_starting_together_train_the_tokeniser_once(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    log = tmp_path / "trained.log"
+    procs = [ctx.Process(target=_load_counting, args=(str(log), results)) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    sums = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert all(proc.exitcode == 0 for proc in procs)
+    assert log.read_text() == "trained\n"  # the other two waited and read its files
+    assert len(set(sums)) == 1
 
 
 def test_the_global_batch_is_the_same_on_every_call_and_targets_are_shifted() -> None:

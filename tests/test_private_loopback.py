@@ -145,16 +145,21 @@ def test_it_is_gone_when_the_block_ends() -> None:
 @needs_root
 def test_its_holder_dies_with_a_killed_owner() -> None:
     script = (
-        "import os, signal\n"
+        "import os, signal, sys\n"
         "from thinwire.cluster.private import private_loopback\n"
         "with private_loopback():\n"
         "    print(os.getpid(), flush=True)\n"
+        "    sys.stdin.readline()  # killed once the test has found the holder\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert owner.stdout is not None
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdin is not None and owner.stdout is not None
     pid = int(owner.stdout.readline())
     (holder,) = _holders(pid)
+    owner.stdin.write("kill\n")
+    owner.stdin.flush()
     assert owner.wait(timeout=30) == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{holder}") and time.monotonic() < deadline:

@@ -3,9 +3,18 @@ refused if sparse, and a tensor-parallel shard's local part."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``DTensor``, without importing ``torch.distributed.tensor``
+    (and ``torch._dynamo`` with it) in a process that has made none: a data-parallel
+    rank starts in half the time."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def gradient_of(name: str, param: Tensor) -> Tensor:
@@ -14,7 +23,7 @@ def gradient_of(name: str, param: Tensor) -> Tensor:
     its parameter and gives this rank's shard (what its data-parallel peers average)."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    if isinstance(param.grad, DTensor):
+    if is_dtensor(param.grad):
         if param.grad.placements != param.placements:  # an embedding's comes back whole
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         return param.grad.to_local()

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from thinwire.comm.agreement import digest, value_ranges
 from thinwire.comm.collectives import Communicator, run_collective
 from thinwire.comm.engine import GradientExchange, StepStats
+from thinwire.comm.gradients import is_dtensor
 from thinwire.compress.base import Compressor, check_flag, is_integer, is_real
 from thinwire.data_parallel.optimizer import (
     DistributedOptimizer,
@@ -456,7 +456,7 @@ def split_evenly(
 
 def _local(tensor: Tensor) -> Tensor:
     """This rank's shard of a ``DTensor``, or ``tensor`` itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _floating_buffers(

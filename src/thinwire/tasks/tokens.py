@@ -4,15 +4,19 @@ with Hugging Face ``tokenizers`` and cached, with the token streams, under
 
 The cache key is a digest of the corpus (file names and sizes), the vocabulary size and
 the byte limit, so another Python version or corpus gets its own files. Files are written
-to a temporary name and renamed, so ranks starting together never read half a file; a
-bench prepares the cache once before it starts them.
+to a temporary name and renamed, so ranks starting together never read half a file, and
+made under a lock, so the ranks of one machine (``torchrun --nproc-per-node 8``) train the
+tokeniser once: the first makes the files, the others wait for them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,19 +82,40 @@ def load_tokens(
     folder = cache_dir() / f"tokens-{key}"
     paths = {name: folder / f"{name}.npy" for name in ("train", "held_out")}
     if not all(p.exists() for p in paths.values()):
-        train_text = corpus.train.numpy().tobytes()
-        tokenizer = _train_tokenizer(train_text, vocab)
-        streams = {
-            "train": _encode(tokenizer, train_text),
-            "held_out": _encode(tokenizer, corpus.held_out.numpy().tobytes()),
-        }
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(folder / "tokenizer.json", tokenizer.to_str().encode())
-        for name, stream in streams.items():
-            buffer = io.BytesIO()
-            np.save(buffer, stream)
-            write_atomically(paths[name], buffer.getvalue())
+        with _one_maker(folder):
+            if not all(p.exists() for p in paths.values()):  # else another rank made them
+                _make(corpus.train, corpus.held_out, vocab, folder, paths)
     loaded = {
         name: torch.from_numpy(np.load(path).astype(np.int64)) for name, path in paths.items()
     }
     return TokenCorpus(loaded["train"], loaded["held_out"], vocab)
+
+
+@contextlib.contextmanager
+def _one_maker(folder: Path) -> Iterator[None]:
+    """Hold this machine's lock on making ``folder``'s files."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _make(
+    train: Tensor, held_out: Tensor, vocab: int, folder: Path, paths: dict[str, Path]
+) -> None:
+    """Train the tokeniser on the ``train`` bytes; write it and both token streams."""
+    train_text = train.numpy().tobytes()
+    tokenizer = _train_tokenizer(train_text, vocab)
+    streams = {
+        "train": _encode(tokenizer, train_text),
+        "held_out": _encode(tokenizer, held_out.numpy().tobytes()),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomically(folder / "tokenizer.json", tokenizer.to_str().encode())
+    for name, stream in streams.items():
+        buffer = io.BytesIO()
+        np.save(buffer, stream)
+        write_atomically(paths[name], buffer.getvalue())
