@@ -159,9 +159,16 @@ def test_delayed_averaging_and_parameter_servers_run_in_the_bench(tmp_path: Path
         assert by[method]["loss_history"][-1] != pytest.approx(by["dense"]["loss_history"][-1])
         assert by[method]["bytes_sent_per_step"] > 0
     # fp32 gradients all-reduced late are as many bytes as DDP's: the exchanges still in
-    # flight when the count begins are counted as exchanges too
-    assert by["dga"]["bytes_sent_per_step"] == pytest.approx(
-        by["dense"]["bytes_sent_per_step"], rel=0.1
+    # flight when the count begins are counted as exchanges too. Those (at most `delay` of
+    # them) may have sent some or all of their bytes before the count began, more so on a
+    # busy machine: per step, between counted / (counted + delay) of DDP's bytes and DDP's.
+    counted = 6 - by["dga"]["measured_from_step"]
+    dense_bytes = by["dense"]["bytes_sent_per_step"]
+    lowest = dense_bytes * counted / (counted + 2)
+    assert 0.95 * lowest <= by["dga"]["bytes_sent_per_step"] <= 1.1 * dense_bytes, (
+        by["dga"]["bytes_sent_per_step"],
+        dense_bytes,
+        counted,
     )
     assert by["dga"]["options"] == {
         "delay": 2,
