@@ -120,3 +120,27 @@ def test_ranks_that_raise_while_exchanging_exit_with_their_error_not_an_abort(
     subprocess.run(command, check=True, timeout=110, capture_output=True)
     result = json.loads(out.read_text())
     assert result["exit_codes"] == {"1": 2}, result["not_python_exit"]
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range_and_skip_taken_ones(monkeypatch) -> None:
+    """Outgoing connections take ports in the ephemeral range, so a port picked there
+    could be taken before the rendezvous binds it (it happened with two test processes)."""
+    import random
+    import socket
+
+    import thinwire.launch as launch
+
+    top = launch._ephemeral_start()
+    picked = []
+    for _ in range(5):
+        random.seed(0)  # a seeded ``random`` does not repeat the picks
+        picked.append(launch.free_port())
+    assert all(launch.LOWEST_PICKED_PORT <= port < top for port in picked), (picked, top)
+    assert len(set(picked)) > 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", picked[0]))
+        taken.listen()
+        other = next(port for port in picked if port != picked[0])
+        choices = iter([picked[0], other])
+        monkeypatch.setattr(launch._PORT_CHOICE, "randrange", lambda low, high: next(choices))
+        assert launch.free_port() == other

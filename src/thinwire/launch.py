@@ -43,11 +43,45 @@ if TYPE_CHECKING:
     from thinwire.cluster.emulated import EmulatedCluster
 
 
+#: the lowest port :func:`free_port` picks (below it: ports services commonly listen on)
+LOWEST_PICKED_PORT = 20000
+#: the OS's randomness, not the seeded ``random``: two processes seeded alike (two test
+#: workers, two jobs) must not pick the same ports in turn
+_PORT_CHOICE = random.SystemRandom()
+
+
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux's
+    ``ip_local_port_range``; 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            return int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, picked at random below
+    the kernel's ephemeral range: a port asked of the kernel (port 0) lies in that range,
+    where another job's outgoing connections (gloo opens many) may take it between this
+    call and the rendezvous binding it ("address already in use")."""
+    top = _ephemeral_start()
+    if top <= LOWEST_PICKED_PORT + 100:  # an unusual range: let the kernel choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    for _ in range(100):
+        port = _PORT_CHOICE.randrange(LOWEST_PICKED_PORT, top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(
+        f"no free TCP port found in {LOWEST_PICKED_PORT}-{top - 1} after 100 tries; "
+        "free some, or set MASTER_PORT yourself"
+    )
 
 
 def init_local_group(

@@ -12,7 +12,7 @@ from torch import Tensor
 def is_dtensor(tensor: object) -> bool:
     """Whether ``tensor`` is a ``DTensor``, without importing ``torch.distributed.tensor``
     (and ``torch._dynamo`` with it) in a process that has made none: a data-parallel
-    rank starts in half the time."""
+    rank's imports take half the CPU time."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 
