@@ -8,9 +8,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 
-from thinwire.launch import LocalPool, free_port
+from thinwire.launch import LocalPool, free_port, process_context
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -68,10 +67,10 @@ def pool(request: pytest.FixtureRequest) -> RestartingPool:
 
 
 def _first_report(target: Callable[..., None], *args: Any, timeout: float = 60.0) -> Any:
-    """Start ``target(rank, port, *args, results)`` on two fresh spawned processes (ranks 0
+    """Start ``target(rank, port, *args, results)`` on two fresh processes (ranks 0
     and 1) and return the first item either puts on ``results``; fail the test if none
     comes within ``timeout`` s (a hang). The processes are stopped afterwards."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in (0, 1)]

@@ -49,3 +49,20 @@ def test_time_to_quality_lays_each_curve_on_its_step_time(tmp_path: Path) -> Non
     rows = {r["label"]: r for r in json.loads((tmp_path / "ttq.json").read_text())["rows"]}
     assert rows["dense"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(200 * 2.1)
     assert rows["diloco"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(300 * 0.6)
+
+
+@pytest.mark.timeout(180)
+def test_pool_start_measures_both_start_methods(tmp_path: Path) -> None:
+    out = tmp_path / "start.json"
+    command = [sys.executable, str(BENCH / "pool_start.py"), "--world-size", "2",
+               "--pools", "2", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    for method in ("spawn", "forkserver"):
+        (found,) = result["runs"][method]
+        assert len(found["wall_s_per_pool"]) == 2 and len(found["rank_cpu_s"]) == 4
+        assert all(cpu > 0 for cpu in found["rank_cpu_s"]), found
+    assert result["runs"]["spawn"][0]["server_cpu_s"] == 0.0
+    assert result["runs"]["forkserver"][0]["server_cpu_s"] > 0.0  # its one import of torch
+    assert "less CPU a rank" in run.stdout

@@ -144,3 +144,33 @@ def test_free_ports_lie_below_the_kernels_ephemeral_range_and_skip_taken_ones(mo
         choices = iter([picked[0], other])
         monkeypatch.setattr(launch._PORT_CHOICE, "randrange", lambda low, high: next(choices))
         assert launch.free_port() == other
+
+
+def _environment_probe(rank: int, world_size: int) -> tuple[str | None, int]:
+    import torch
+
+    return os.environ.get("THINWIRE_PROBE_VARIABLE"), torch.get_num_threads()
+
+
+def test_ranks_take_the_environment_of_the_moment_their_pool_is_made(monkeypatch) -> None:
+    """A forked rank starts with the forkserver's environment, which is frozen when the
+    server starts: the pool hands each rank its maker's (without it the second pool sees
+    what the first saw)."""
+    from thinwire.launch import LocalPool, process_context
+
+    if sys.platform.startswith("linux"):
+        assert process_context().get_start_method() == "forkserver"
+    monkeypatch.setenv("THINWIRE_PROBE_VARIABLE", "first")
+    with LocalPool(2) as pool:  # starts the server if this process has none yet
+        assert pool.run(_environment_probe) == [("first", 1)] * 2
+    monkeypatch.setenv("THINWIRE_PROBE_VARIABLE", "second")
+    with LocalPool(2) as pool:
+        assert pool.run(_environment_probe) == [("second", 1)] * 2
+
+
+def test_an_unknown_start_method_is_refused_with_the_ones_there_are(monkeypatch) -> None:
+    from thinwire.launch import LocalPool
+
+    monkeypatch.setenv("THINWIRE_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="'spawn' or 'forkserver'"):
+        LocalPool(2)

@@ -9,8 +9,11 @@ Each process initialises ``torch.distributed`` (gloo on a free port, one thread)
 the jobs it is given: ``fn(rank, world_size, *args)``, whose return value must be picklable
 (numbers, lists, numpy arrays; not tensors). A job that raises on any rank, or exceeds its
 timeout, raises here with the failing rank's traceback, and the pool is shut down (a
-broken process group is not reused). Processes are started with ``spawn``, so ``fn`` must
-be importable (defined at module level). On real machines use ``torchrun`` instead.
+broken process group is not reused). On Linux the processes are forked from a
+``forkserver`` that has imported torch once (a rank then starts on a few tens of
+milliseconds of CPU instead of the seconds ``import torch`` takes); elsewhere they are
+spawned. Either way ``fn`` must be importable (defined at module level), and each rank gets
+the environment of the moment the pool was made. On real machines use ``torchrun``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +62,46 @@ def _ephemeral_start() -> int:
             return int(ranges.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+#: what the forkserver imports once, before it forks any rank
+_PRELOADED = ["torch", "torch.distributed", "thinwire.launch"]
+
+
+def process_context() -> Any:
+    """The multiprocessing context pools start their ranks with: ``forkserver`` on Linux,
+    preloaded with torch (the server is started once per process, on first use, and forks
+    each rank from there), ``spawn`` elsewhere. ``THINWIRE_START_METHOD=spawn`` forces
+    spawn (to compare, or where a preloaded torch misbehaves)."""
+    wanted = os.environ.get("THINWIRE_START_METHOD", "")
+    if wanted not in ("", "spawn", "forkserver"):
+        raise ValueError(
+            f"THINWIRE_START_METHOD={wanted!r} is not a start method pools use: "
+            "set it to 'spawn' or 'forkserver', or unset it"
+        )
+    linux = sys.platform.startswith("linux")
+    if wanted == "spawn" or (wanted == "" and not linux):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOADED)  # no effect once the server runs
+    _start_forkserver_quietly()
+    return ctx
+
+
+def _start_forkserver_quietly() -> None:
+    """Start the forkserver (once) with c10's C++ log at ERROR unless the user chose a
+    level: torch reads ``TORCH_CPP_LOG_LEVEL`` when it is imported, which for every rank
+    is now in the server, and c10d warns on each connection to an emulated host (its
+    198.18.0.x address has no host name). Errors still print; set the variable to see
+    warnings."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        forkserver.ensure_running()
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        forkserver.ensure_running()
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def free_port() -> int:
@@ -140,12 +184,15 @@ def die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # the process that asked for this one (under forkserver not the OS parent, which
+        # is the server; the server exits when its last client dies)
         parent = multiprocessing.parent_process()
-        if parent is not None and os.getppid() != parent.pid:  # it died before we asked
+        if parent is not None and not parent.is_alive():  # it died before we asked
             os._exit(1)
 
 
 def _serve(
+    environment: dict[str, str],
     rank: int,
     world_size: int,
     port: int,
@@ -154,6 +201,9 @@ def _serve(
     results: Any,
     placement: Placement | None = None,
 ) -> None:
+    # a forked rank holds the server's environment: take the pool maker's
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     die_with_parent()
     host = "127.0.0.1"
@@ -202,11 +252,7 @@ class LocalPool:
                 "hosts of the placement: run one rank per host"
             )
         self.world_size = world_size
-        if placement is not None:
-            # c10d warns on every connection that 198.18.0.x has no host name; the
-            # children inherit this setting (errors still raise)
-            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         # A fresh namespace has no listeners: any port is free there.
@@ -215,6 +261,7 @@ class LocalPool:
             ctx.Process(
                 target=_serve,
                 args=(
+                    dict(os.environ),
                     rank,
                     world_size,
                     port,
