@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.agreement import value_ranges
-from thinwire.comm.collectives import gather_bytes
+from thinwire.comm.transport import gather_bytes
 from thinwire.errors import RankMismatchError
 
 #: the ``format`` of an all-ranks state

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from thinwire.comm.framing import frame, split_bytes
+from thinwire.comm.scatter import merge_flags, scatter_payload_bytes, scatter_round
 from thinwire.compress.base import (
     Aggregation,
     Compressor,
@@ -47,7 +48,7 @@ from thinwire.compress.base import (
     Request,
 )
 from thinwire.compress.finite import all_finite, not_finite_flag
-from thinwire.errors import CommunicationError, IncompatibleCompressorError, ThinwireError
+from thinwire.errors import CommunicationError, IncompatibleCompressorError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -135,6 +136,14 @@ class Communicator(ABC):
                 f"(they cannot be summed), but communicator {self.name!r} only sums; "
                 "use communicator='allgather' (or 'auto')"
             )
+        if getattr(compressor, "partitioned", False) and not self.supports(Op.SCATTER):
+            raise IncompatibleCompressorError(
+                f"compressor {compressor.name!r} with partitioned=True sends each rank its "
+                f"own part of the index space (an all-to-all), which communicator "
+                f"{self.name!r} cannot carry (the 'allgather' and 'direct' communicators of "
+                "data parallelism can; the parameter server and the planner cannot yet): "
+                "use partitioned=False here"
+            )
 
     def execute(
         self, requests: Sequence[Request], poison: bool | Tensor = False, lazy: bool = False
@@ -208,13 +217,85 @@ class AllReduceCommunicator(Communicator):
 
 
 class AllGatherCommunicator(Communicator):
-    """All-gather everything in one fused byte buffer per round; reduce sums locally."""
+    """All-gather everything in one fused byte buffer per round; reduce sums locally.
+
+    Two kinds of request go another way, since gathering them would make every rank
+    receive every rank's payload: scatters (an uneven all-to-all, :mod:`thinwire.comm.scatter`)
+    and sums of integers (one all-reduce: integer addition is exact in any order, so every
+    rank still gets the same bits)."""
 
     name = "allgather"
 
     def _execute(
         self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
     ) -> RoundResult:
+        kinds: dict[str, list[int]] = {"gather": [], "scatter": [], "count": []}
+        for i, request in enumerate(requests):
+            if request.op is Op.SCATTER:
+                kinds["scatter"].append(i)
+            elif request.op is Op.SUM and not request.tensors[0].is_floating_point():
+                kinds["count"].append(i)
+            else:
+                kinds["gather"].append(i)
+        if not kinds["scatter"] and not kinds["count"]:
+            return self._gather_round(requests, poison, lazy)
+        answers: list[Any] = [None] * len(requests)
+        poisoned: bool | Tensor = False
+        traffic = Traffic()
+        if kinds["gather"]:
+            done = self._gather_round([requests[i] for i in kinds["gather"]], poison, lazy)
+            for i, answer in zip(kinds["gather"], done.answers, strict=True):
+                answers[i] = answer
+            poisoned, traffic = done.poisoned, done.traffic
+        if kinds["scatter"]:
+            scattered = [requests[i] for i in kinds["scatter"]]
+            found, flag, sent, received = scatter_round(
+                scattered, poison, self.world_size, self.rank, self._collective
+            )
+            for i, answer in zip(kinds["scatter"], found, strict=True):
+                answers[i] = answer
+            poisoned = merge_flags(poisoned, flag)
+            payload = scatter_payload_bytes(scattered)
+            traffic.add(Traffic(payload=payload, sent=sent, received=received, collectives=2))
+        if kinds["count"]:
+            flag = self._sum_counts([requests[i] for i in kinds["count"]], kinds["count"],
+                                    answers, poison, traffic)  # fmt: skip
+            poisoned = merge_flags(poisoned, flag)
+        if not lazy and isinstance(poisoned, Tensor):
+            poisoned = bool(poisoned)
+        return RoundResult(answers, poisoned, traffic)
+
+    def _sum_counts(
+        self,
+        requests: Sequence[Request],
+        places: Sequence[int],
+        answers: list[Any],
+        poison: bool | Tensor,
+        traffic: Traffic,
+    ) -> bool | Tensor:
+        """All-reduce integer sums (one per dtype) with a poison count at the end; put the
+        answers at ``places``; return whether any rank was poisoned."""
+        poisoned: bool | Tensor = False
+        for (_, dtype), members in group_by_op_and_dtype(requests).items():
+            tensors = [t for i in members for t in requests[i].tensors]
+            flag = torch.as_tensor(poison, dtype=dtype).reshape(1).to(tensors[0].device)
+            flat = torch.cat([*(t.reshape(-1) for t in tensors), flag])
+            traffic.add(self._add_counts(flat))
+            pieces = iter(_split(flat[:-1], tensors))
+            for i in members:
+                answers[places[i]] = [next(pieces) for _ in requests[i].tensors]
+            poisoned = merge_flags(poisoned, flat[-1] > 0)
+        return poisoned
+
+    def _add_counts(self, flat: Tensor) -> Traffic:
+        """Sum the integer tensor ``flat`` over the ranks in place: a ring all-reduce."""
+        self._collective(dist.all_reduce, flat)
+        return _ring_allreduce_traffic(flat.numel() * flat.element_size(), self.world_size)
+
+    def _gather_round(
+        self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
+    ) -> RoundResult:
+        """Every request through one all-gather of this rank's framed bytes."""
         tensors = [t for request in requests for t in request.tensors]
         device = tensors[0].device if tensors else control_device(self.group)
         own = frame(tensors, poison, device)
@@ -251,6 +332,15 @@ class DirectCommunicator(AllGatherCommunicator):
     def _gather(self, gathered: Tensor, own: Tensor) -> None:
         """Send ``own`` to every rank at once; receive theirs into ``gathered``."""
         self._collective(dist.all_to_all_single, gathered, own.repeat(self.world_size))
+
+    def _add_counts(self, flat: Tensor) -> Traffic:
+        """Sum the integer tensor ``flat`` over the ranks in place, in one step: every rank
+        sends it to every other, and each adds them up (one network delay instead of the
+        ring's 2 (N - 1), for N - 1 copies of its bytes out and in)."""
+        every = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        self._collective(dist.all_to_all_single, every, flat.repeat(self.world_size))
+        torch.sum(every.view(self.world_size, -1), dim=0, out=flat)
+        return _ring_allgather_traffic(flat.numel() * flat.element_size(), self.world_size)
 
 
 COMMUNICATORS: dict[str, type[Communicator]] = {
@@ -347,45 +437,6 @@ def run_collective(
             f"timed out (process group timeout: {group_timeout(group)}): a peer rank has "
             f"probably died, diverged or stalled; check the other ranks' output. ({error})"
         ) from error
-
-
-#: what the backends' messages say when a peer died or stalled (some of their errors, such
-#: as gloo's on a point-to-point send, are plain RuntimeErrors)
-_TRANSPORT_SIGNS = ("gloo", "nccl", "timed out", "connection closed", "connection reset")
-
-
-def is_transport_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a failed or timed-out collective or send, not a bug in the
-    caller's code (thinwire's own errors are not: they already say what happened). The
-    errors it was raised from count too (PyTorch's pipeline wraps a stage's failure)."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, ThinwireError):
-            return False
-        if isinstance(seen, dist.DistError):
-            return True
-        text = str(seen).lower()
-        if isinstance(seen, RuntimeError) and any(sign in text for sign in _TRANSPORT_SIGNS):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def gather_bytes(data: bytes, group: dist.ProcessGroup | None, what: str) -> list[bytes]:
-    """Every rank's ``data`` (of any length), in rank order. Collective: two all-gathers,
-    of the lengths and of the bytes padded to the longest (gloo gathers equal sizes only)."""
-    device = control_device(group)
-    world = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    run_collective(what, dist.all_gather, lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
-    own = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if data:
-        own[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    parts = [torch.empty_like(own) for _ in range(world)]
-    run_collective(what, dist.all_gather, parts, own, group=group)
-    return [p[: int(n)].cpu().numpy().tobytes() for p, n in zip(parts, lengths, strict=True)]
 
 
 def control_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -37,6 +37,9 @@ class Op(enum.Enum):
     SUM = "sum"  #: element-wise sum over ranks; the answer is a list of summed tensors
     MAX = "max"  #: element-wise maximum over ranks; the answer is a list of tensors
     GATHER = "gather"  #: every rank's tensors; the answer is a list (one per rank) of lists
+    #: rows ``counts[j]`` of each tensor go to rank j (uneven all-to-all); the answer is a
+    #: list (one per source rank) of lists: the rows each rank sent this one
+    SCATTER = "scatter"
 
 
 class Aggregation(enum.Enum):
@@ -55,6 +58,8 @@ class Request:
     #: the tensors are the protocol's own scratch, read no more after the request: a
     #: communicator may compute the answer in them (no copy)
     scratch: bool = False
+    #: for a scatter: how many leading rows of the tensors go to each rank, in order
+    counts: tuple[int, ...] | None = None
 
     @staticmethod
     def sum(*tensors: Tensor, scratch: bool = False) -> Request:
@@ -71,6 +76,19 @@ class Request:
     def gather(*tensors: Tensor) -> Request:
         """Ask for every rank's ``tensors`` (same shapes and dtypes on every rank)."""
         return Request(Op.GATHER, tensors)
+
+    @staticmethod
+    def scatter(counts: Sequence[int], *tensors: Tensor) -> Request:
+        """Send rank j the next ``counts[j]`` rows of every one of ``tensors`` (rows in
+        rank order; any number per rank); the answer holds the rows each rank sent this
+        one. Shapes past the first dimension and dtypes match on every rank."""
+        rows = {t.shape[0] for t in tensors}
+        if len(rows) != 1 or sum(counts) != rows.pop():
+            raise ValueError(
+                f"a scatter's counts {list(counts)} must add up to the rows of every tensor "
+                f"({[t.shape[0] for t in tensors]})"
+            )
+        return Request(Op.SCATTER, tensors, counts=tuple(int(c) for c in counts))
 
 
 @dataclass(frozen=True)
@@ -336,7 +354,8 @@ def run_locally(exchange: Exchange, wire_bytes: list[int] | None = None) -> Exch
             request = exchange.send(answer)
             if wire_bytes is not None:
                 wire_bytes.append(sum(t.numel() * t.element_size() for t in request.tensors))
-            answer = [list(request.tensors)] if request.op is Op.GATHER else list(request.tensors)
+            whole = request.op in (Op.GATHER, Op.SCATTER)  # one rank: its own rows
+            answer = [list(request.tensors)] if whole else list(request.tensors)
     except StopIteration as stop:
         return stop.value
 

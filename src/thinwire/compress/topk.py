@@ -28,6 +28,7 @@ from thinwire.compress.base import (
     check_fraction,
     num_selected,
 )
+from thinwire.compress.partitioned import Partitions, partition_pays, partitioned_exchange
 from thinwire.compress.registry import register_compressor
 
 
@@ -38,9 +39,19 @@ class TopK(Compressor):
 
     Options:
         density: fraction of entries kept, in (0, 1].
+        partitioned: exchange through the partitioned sparse all-reduce
+            (:mod:`thinwire.compress.partitioned`): every rank receives the global top-k
+            of the summed entries, and its bytes do not grow with the number of ranks;
+            off (the default), every rank's k entries are gathered by every rank. A
+            tensor whose k entries gather in fewer bytes than the partitioned exchange
+            sends (few ranks, small k) is still gathered.
+        rebalance_every: with ``partitioned``, steps between re-balancings of the index
+            ranges the ranks own (0: equal ranges throughout).
     """
 
     density: float = 0.01
+    partitioned: bool = False
+    rebalance_every: int = 50
 
     name = "topk"
     summary = "top-k sparsification by magnitude (exact), values + int32 indices, gathered"
@@ -51,6 +62,14 @@ class TopK(Compressor):
     def __post_init__(self) -> None:
         self.density = check_fraction("density", self.density)
         self._layouts: dict[tuple[tuple[torch.Size, ...], float], SegmentedTopK] = {}
+        if not isinstance(self.partitioned, bool):
+            raise ValueError(f"partitioned must be true or false, got {self.partitioned!r}")
+        every = self.rebalance_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"rebalance_every must be an integer >= 0, got {every!r}")
+        self._partitions = Partitions(every)
+        if self.partitioned:  # each tensor on its own: partitions are per tensor
+            self.segmented = False
 
     def compresses(self, tensor: Tensor) -> bool:
         """Tensors of one dimension (biases, norms) go dense."""
@@ -68,10 +87,16 @@ class TopK(Compressor):
         return indices, flat.index_select(0, indices)
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
-        """Gather (values, indices) from every rank and scatter-add them."""
+        """Gather (values, indices) from every rank and scatter-add them (or, with
+        ``partitioned``, the partitioned sparse all-reduce's global top-k)."""
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.density_at(slot))
         indices, values = self.pick(flat, k, slot)
+        if self.partitioned and partition_pays(k, slot.world_size):
+            mean, applied = yield from partitioned_exchange(
+                values, indices, flat, slot, k, self._partitions
+            )
+            return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=applied)
         mean = yield from gather_sparse(values, indices, flat, slot.world_size)
         return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=indices)
 

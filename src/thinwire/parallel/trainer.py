@@ -23,12 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from thinwire.comm.agreement import ranks_differing
-from thinwire.comm.collectives import (
-    gather_bytes,
-    group_timeout,
-    is_transport_failure,
-    run_collective,
-)
+from thinwire.comm.collectives import group_timeout, run_collective
+from thinwire.comm.transport import gather_bytes, is_transport_failure
 from thinwire.data_parallel.local_steps import DiLoCo
 from thinwire.errors import CommunicationError, RankMismatchError
 from thinwire.parallel.checkpoint import collect_state, load_checkpoint, save_checkpoint

@@ -53,6 +53,10 @@ class ServerLink(Communicator):
 
     checks_start = False  # no group of peers: the server has its own resume protocol
 
+    def supports(self, op: Op) -> bool:
+        """Everything but scatters (the server is the one peer a worker talks to)."""
+        return op is not Op.SCATTER
+
     def __init__(self, channel: Channel, world_size: int, rank: int, replies: bool) -> None:
         super().__init__(world_size=world_size, rank=rank)
         self.channel = channel
@@ -95,6 +99,10 @@ class WorkerFanIn(Communicator):
     name = "parameter-server"
 
     checks_start = False  # no group of peers: the server has its own resume protocol
+
+    def supports(self, op: Op) -> bool:
+        """Everything but scatters (the server is the one peer a worker talks to)."""
+        return op is not Op.SCATTER
 
     def __init__(self, channels: Sequence[Channel], world_size: int, replies: bool) -> None:
         super().__init__(world_size=world_size, rank=-1)  # the server is no worker

@@ -1,0 +1,74 @@
+"""Many ranks in one process: drive one exchange protocol per rank in lock-step.
+
+Each round's requests are answered as a communicator would answer them (a sum, a
+maximum, every rank's tensors, or the rows each rank scattered to this one), and the
+payload bytes each rank would send to the others are counted: a sum's ring share
+``2 (N - 1) / N`` of its bytes, a gather's bytes to each of ``N - 1`` others, a
+scatter's rows addressed to others. For tests of protocols at large world sizes and for
+modelling their bytes (``bench/sparse_bytes.py``); not a transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from thinwire.compress.base import Exchange, Exchanged, Op, Request
+
+
+def drive_ranks(protocols: Sequence[Exchange]) -> tuple[list[Exchanged], list[int]]:
+    """Run ``protocols`` (rank r's is ``protocols[r]``) to the end; return their outcomes
+    and the payload bytes each rank sent to the others. Every rank gets its own copy of
+    each answer. Raises ``AssertionError`` if the ranks ask for different kinds of
+    collective in a round or finish after different rounds (a protocol bug)."""
+    world = len(protocols)
+    answers: list[Any] = [None] * world
+    results: list[Exchanged | None] = [None] * world
+    sent = [0] * world
+    while True:
+        requests = []
+        for rank, protocol in enumerate(protocols):
+            try:
+                requests.append(protocol.send(answers[rank]))
+            except StopIteration as stop:
+                results[rank] = stop.value
+        if not requests:
+            break
+        if len(requests) != world or len({r.op for r in requests}) != 1:
+            raise AssertionError("the ranks' protocols asked for different rounds")
+        answers = _answer(requests, sent)
+    return results, sent  # type: ignore[return-value]
+
+
+def _answer(requests: Sequence[Request], sent: list[int]) -> list[Any]:
+    world, op = len(requests), requests[0].op
+    if op in (Op.SUM, Op.MAX):
+        columns = zip(*(r.tensors for r in requests), strict=True)
+        if op is Op.SUM:
+            total = [torch.stack(c).sum(0) for c in columns]
+        else:
+            total = [torch.stack(c).amax(0) for c in columns]
+        for rank, request in enumerate(requests):
+            sent[rank] += 2 * (world - 1) * _nbytes(request.tensors) // world
+        return [[t.clone() for t in total] for _ in range(world)]
+    if op is Op.GATHER:
+        for rank, request in enumerate(requests):
+            sent[rank] += (world - 1) * _nbytes(request.tensors)
+        return [[[t.clone() for t in r.tensors] for r in requests] for _ in range(world)]
+    rows = [_rows_by_destination(r) for r in requests]
+    for rank in range(world):
+        sent[rank] += sum(_nbytes(rows[rank][dest]) for dest in range(world) if dest != rank)
+    return [[rows[source][dest] for source in range(world)] for dest in range(world)]
+
+
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _rows_by_destination(request: Request) -> list[list[Tensor]]:
+    counts = list(request.counts or ())
+    pieces = [t.split(counts) for t in request.tensors]
+    return [[p[dest].clone() for p in pieces] for dest in range(len(counts))]

@@ -1,0 +1,242 @@
+"""The partitioned sparse all-reduce (issue 29): a global top-k whose bytes per rank do not
+grow with the number of ranks.
+
+Up to 64 ranks are simulated in one process (:func:`~thinwire.compress.simulated.drive_ranks`:
+one exchange protocol per rank in lock-step, each round answered as a communicator would,
+the bytes each rank sends counted); the last tests run it on real gloo ranks through the
+all-gather and direct communicators, and check the simulation against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch import Tensor
+
+from thinwire.compress import Slot
+from thinwire.compress.dgc import DGC
+from thinwire.compress.feedback import DGCMemory, ResidualMemory
+from thinwire.compress.partitioned import (
+    ENTRY_BYTES,
+    RADIX_ROUNDS,
+    partition_pays,
+)
+from thinwire.compress.simulated import drive_ranks
+from thinwire.compress.topk import TopK
+
+
+def _gradients(world: int, shape: tuple[int, int], seed: int) -> list[Tensor]:
+    """Per-rank gradients that share some large entries (as real ones do) and whose
+    magnitudes differ everywhere (no ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(shape, generator=gen) * (torch.rand(shape, generator=gen) < 0.02)
+    return [common * 3 + torch.randn(shape, generator=gen) for _ in range(world)]
+
+
+def _exchange(comps: Sequence[TopK], grads: Sequence[Tensor], step: int = 0):
+    world = len(grads)
+    protocols = [
+        comp.exchange(g, Slot("w", step, world, rank))
+        for rank, (comp, g) in enumerate(zip(comps, grads, strict=True))
+    ]
+    return drive_ranks(protocols)
+
+
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_every_rank_receives_the_global_top_k_of_the_summed_sparse_gradients(world: int):
+    grads = _gradients(world, (256, 1024), seed=world)
+    density = 0.01
+    k = int(grads[0].numel() * density)
+    assert partition_pays(k, world)
+    comps = [TopK(density=density, partitioned=True) for _ in range(world)]
+    results, _ = _exchange(comps, grads)
+    # the single-process reference: sum every rank's own top-k, keep the sum's top-k
+    summed = torch.zeros(grads[0].numel())
+    for g in grads:
+        flat = g.reshape(-1)
+        top = torch.topk(flat.abs(), k).indices
+        summed.index_add_(0, top, flat[top])
+    chosen = torch.topk(summed.abs(), k).indices
+    expected = torch.zeros_like(summed)
+    expected[chosen] = summed[chosen] / world
+    for result in results:
+        assert torch.equal(result.mean.reshape(-1), expected)  # every rank, the same bits
+    assert int((results[0].mean != 0).sum()) == k
+
+
+def test_what_a_rank_sent_plus_what_it_kept_is_what_it_meant_to_send():
+    world, steps = 8, 6
+    comps = [TopK(density=0.02, partitioned=True, rebalance_every=2) for _ in range(world)]
+    assert partition_pays(int(64 * 512 * 0.02), world)
+    memories = [ResidualMemory() for _ in range(world)]
+    gen = torch.Generator().manual_seed(3)
+    meant = [torch.zeros(64, 512, dtype=torch.float64) for _ in range(world)]
+    applied = torch.zeros(64, 512, dtype=torch.float64)
+    held_back = 0
+    for step in range(steps):
+        grads = [torch.randn(64, 512, generator=gen) for _ in range(world)]
+        corrected = []
+        for rank, g in enumerate(grads):
+            meant[rank] += g
+            corrected.append(memories[rank].compensate(g, Slot("w", step, world, rank)))
+        results, _ = _exchange(comps, corrected, step)
+        for rank, result in enumerate(results):
+            k = int(corrected[rank].numel() * 0.02)
+            held_back += k - int(result.sent_indices.unique().numel())
+            memories[rank].update(corrected[rank], result, Slot("w", step, world, rank), True)
+            assert torch.equal(corrected[rank], memories[rank].residuals["w"])
+        applied += results[0].mean * world
+    residuals = sum(memories[r].residuals["w"].double() for r in range(world))
+    torch.testing.assert_close(applied + residuals, sum(meant), rtol=0, atol=1e-4)
+    assert held_back > 0  # entries were pruned in the middle: they waited in the memories
+
+
+def test_bytes_per_rank_stay_within_3x_of_k_entries_whatever_the_number_of_ranks():
+    density, shape = 0.01, (256, 1024)
+    k = int(shape[0] * shape[1] * density)
+    per_rank = {}
+    for world in (4, 16, 64):
+        grads = _gradients(world, shape, seed=7)
+        comps = [TopK(density=density, partitioned=True, rebalance_every=1) for _ in range(world)]
+        _exchange(comps, grads, step=0)  # re-balance on the first selection
+        _, sent = _exchange(comps, grads, step=1)
+        per_rank[world] = max(sent)
+        assert max(sent) <= 3 * k * ENTRY_BYTES, (world, max(sent), k)
+    gathered_at_64 = 63 * k * ENTRY_BYTES
+    assert per_rank[64] * 10 < gathered_at_64
+
+
+def test_small_tensors_on_few_ranks_are_gathered_where_that_sends_less():
+    assert not partition_pays(k=100, world=4)  # 2.4 KB gathered against 1.6 KB + histograms
+    assert partition_pays(k=100_000, world=4)
+    assert partition_pays(k=1000, world=64)
+    assert not partition_pays(k=10**6, world=1)
+    covered = [bit for shift, width in RADIX_ROUNDS for bit in range(shift, shift + width)]
+    assert sorted(covered) == list(range(31))  # each bit of a float32 magnitude, once
+    assert [shift for shift, _ in RADIX_ROUNDS] == sorted(
+        (shift for shift, _ in RADIX_ROUNDS), reverse=True
+    )  # most significant digit first
+    # gathered, an exchange of a small tensor adds every rank's k entries (no pruning)
+    comps = [TopK(density=0.1, partitioned=True) for _ in range(4)]
+    results, _ = _exchange(comps, _gradients(4, (4, 25), seed=1))
+    assert int((results[0].mean != 0).sum()) > 10
+
+
+def test_dgc_takes_the_option_and_keeps_pruned_entries_in_its_memory():
+    world = 8
+    comps = [DGC(density=0.02, warmup_steps=0, partitioned=True) for _ in range(world)]
+    assert partition_pays(int(64 * 256 * 0.02), world)
+    assert comps[0].segmented is False  # partitions are per tensor
+    memories = [DGCMemory(momentum=0.9, masking=False) for _ in range(world)]
+    grads = _gradients(world, (64, 256), seed=5)
+    corrected = [m.compensate(g, Slot("w", 0, world, r)) for r, (m, g) in
+                 enumerate(zip(memories, grads, strict=True))]  # fmt: skip
+    pre = [c.clone() for c in corrected]
+    results, _ = _exchange(comps, corrected)
+    for rank, (memory, result) in enumerate(zip(memories, results, strict=True)):
+        memory.update(corrected[rank], result, Slot("w", 0, world, rank), True)
+        kept = memory.accumulators["w"].reshape(-1)
+        sent = result.sent_indices
+        assert torch.all(result.mean.reshape(-1)[sent] != 0)  # only what was applied
+        assert sent.numel() < int(64 * 256 * 0.02)  # some of its entries were pruned
+        assert torch.all(kept[sent] == 0)
+        pruned = pre[rank].reshape(-1).abs() > 0
+        pruned[sent] = False
+        assert torch.equal(kept[pruned], pre[rank].reshape(-1)[pruned])
+
+
+def test_bad_options_are_refused_with_what_to_write():
+    with pytest.raises(ValueError, match="partitioned must be true or false"):
+        TopK(partitioned="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rebalance_every must be an integer >= 0"):
+        DGC(partitioned=True, rebalance_every=-1)
+
+
+# -- on gloo ranks ----------------------------------------------------------------------------
+
+GLOO_SHAPE, GLOO_DENSITY = (256, 1024), 0.01
+
+
+def _round_on_gloo(rank: int, world: int, kind: str) -> tuple:
+    """One partitioned exchange driven round by round over a real communicator."""
+    from thinwire.comm.collectives import COMMUNICATORS, Traffic
+
+    communicator = COMMUNICATORS[kind]()
+    grad = _gradients(world, GLOO_SHAPE, seed=11)[rank]
+    compressor = TopK(density=GLOO_DENSITY, partitioned=True)
+    protocol = compressor.exchange(grad, Slot("w", 0, world, rank))
+    answer, traffic, rounds = None, Traffic(), 0
+    try:
+        while True:
+            done = communicator.execute([protocol.send(answer)])
+            answer, rounds = done.answers[0], rounds + 1
+            traffic.add(done.traffic)
+    except StopIteration as stop:
+        result = stop.value
+    return result.mean.numpy(), result.sent_indices.numpy(), traffic.sent, rounds
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["allgather", "direct"])
+def test_gloo_ranks_receive_what_the_simulated_ranks_do(pool4, kind: str) -> None:
+    world = 4
+    comps = [TopK(density=GLOO_DENSITY, partitioned=True) for _ in range(world)]
+    expected, sent = _exchange(comps, _gradients(world, GLOO_SHAPE, seed=11))
+    found = pool4.run(_round_on_gloo, kind)
+    k = int(GLOO_SHAPE[0] * GLOO_SHAPE[1] * GLOO_DENSITY)
+    for rank, (mean, applied, wire, rounds) in enumerate(found):
+        assert torch.equal(torch.from_numpy(mean), expected[rank].mean)
+        assert torch.equal(torch.from_numpy(applied), expected[rank].sent_indices)
+        assert rounds == len(RADIX_ROUNDS) + 2  # to the owners, histograms, back to all
+        # the simulated count (rows only) plus headers, status bytes and the lengths
+        assert sent[rank] <= wire <= sent[rank] + 4096, (wire, sent[rank])
+        assert wire < 3 * k * ENTRY_BYTES
+
+
+def _bucket_on_gloo(rank: int, world: int) -> list:
+    """A bucket whose tensors take three paths in the same rounds: partitioned (large),
+    gathered (small: the partitioned exchange would send more), dense (a bias)."""
+    from thinwire.comm.engine import GradientExchange, GradientItem
+
+    gen = torch.Generator().manual_seed(rank)
+    grads = {
+        "big": torch.randn(GLOO_SHAPE, generator=gen),
+        "small": torch.randn(8, 16, generator=gen),
+        "bias": torch.randn(16, generator=gen),
+    }
+    engine = GradientExchange(TopK(density=GLOO_DENSITY, partitioned=True))
+    means = engine.exchange([GradientItem(key, g) for key, g in grads.items()])
+    return [m.numpy() for m in means]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_bucket_mixing_partitioned_gathered_and_dense_tensors_agrees_on_every_rank(pool4):
+    found = pool4.run(_bucket_on_gloo)
+    world = 4
+    grads = []
+    for rank in range(world):
+        gen = torch.Generator().manual_seed(rank)
+        grads.append([torch.randn(GLOO_SHAPE, generator=gen), torch.randn(8, 16, generator=gen),
+                      torch.randn(16, generator=gen)])  # fmt: skip
+    big, _ = _exchange([TopK(density=GLOO_DENSITY, partitioned=True) for _ in range(world)],
+                       [g[0] for g in grads])  # fmt: skip
+    small, _ = _exchange([TopK(density=GLOO_DENSITY, partitioned=True) for _ in range(world)],
+                         [g[1] for g in grads])  # fmt: skip
+    bias = sum(g[2] for g in grads) / world
+    for means in found:
+        assert torch.equal(torch.from_numpy(means[0]), big[0].mean)
+        assert torch.equal(torch.from_numpy(means[1]), small[0].mean)
+        torch.testing.assert_close(torch.from_numpy(means[2]), bias)
+    assert all(all((a == b).all() for a, b in zip(found[0], m, strict=True)) for m in found)
+
+
+def test_communicators_that_cannot_scatter_refuse_the_option_with_what_to_use() -> None:
+    from thinwire.errors import IncompatibleCompressorError
+    from thinwire.plan.profile_exchangers import ThinwireEngine
+
+    with pytest.raises(IncompatibleCompressorError, match="use partitioned=False here"):
+        ThinwireEngine(TopK(partitioned=True), world=4, fuse_rounds=True)
