@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from thinwire.compress import Slot
+from thinwire.compress.base import num_selected
 from thinwire.compress.partitioned import ENTRY_BYTES
 from thinwire.compress.simulated import drive_ranks
 from thinwire.compress.topk import TopK
@@ -74,7 +75,7 @@ def _one_world(task_name: str, world: int, density: float) -> dict:
     for tensors in grads.values():
         numel = tensors[0].numel()
         row["dense"] += 2 * (world - 1) * 4 * numel // world
-        row["k_entries"] += ENTRY_BYTES * max(1, int(numel * density))
+        row["k_entries"] += ENTRY_BYTES * num_selected(numel, density)
     return row
 
 

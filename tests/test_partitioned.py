@@ -235,8 +235,92 @@ def test_a_bucket_mixing_partitioned_gathered_and_dense_tensors_agrees_on_every_
 
 
 def test_communicators_that_cannot_scatter_refuse_the_option_with_what_to_use() -> None:
+    from thinwire.data_parallel.parameter_server.links import WorkerFanIn
     from thinwire.errors import IncompatibleCompressorError
+
+    server = WorkerFanIn([], world_size=2, replies=False)
+    with pytest.raises(IncompatibleCompressorError, match="use partitioned=False here"):
+        server.check(TopK(partitioned=True))
+
+
+def test_the_planner_replays_the_partitioned_exchange_and_counts_its_bytes() -> None:
+    """The cost model replays the protocol on one rank as if every rank sent what it
+    sends: about 2k entries in two all-to-alls plus the histograms, against (N - 1) k
+    entries gathered."""
+    from thinwire.plan.network import ALLGATHER, ALLREDUCE, ALLTOALL, wire_bytes
     from thinwire.plan.profile_exchangers import ThinwireEngine
 
-    with pytest.raises(IncompatibleCompressorError, match="use partitioned=False here"):
-        ThinwireEngine(TopK(partitioned=True), world=4, fuse_rounds=True)
+    world, numel, density = 16, 2**18, 0.01
+    k = int(numel * density)
+    grad = torch.randn(numel // 256, 256, generator=torch.Generator().manual_seed(0))
+    recorded = {}
+    for partitioned in (False, True):
+        engine = ThinwireEngine(TopK(density=density, partitioned=partitioned), world, True)
+        protocol = engine.engine.compressor.exchange(grad, Slot("w", 0, world, 0))
+        communicator = engine.communicator
+        communicator.sent = []
+        answer = None
+        try:
+            while True:
+                answer = communicator.execute([protocol.send(answer)]).answers[0]
+        except StopIteration:
+            pass
+        recorded[partitioned] = list(communicator.sent)
+    (gathered,) = recorded[False]
+    assert gathered.kind == ALLGATHER
+    assert wire_bytes(ALLGATHER, gathered.nbytes, world) >= (world - 1) * k * ENTRY_BYTES
+    kinds = [c.kind for c in recorded[True]]
+    assert kinds.count(ALLTOALL) == 4 and kinds.count(ALLREDUCE) == len(RADIX_ROUNDS)
+    total = sum(wire_bytes(c.kind, c.nbytes, world) for c in recorded[True])
+    assert 1.5 * k * ENTRY_BYTES < total < 3 * k * ENTRY_BYTES
+
+
+# -- block sparsity -------------------------------------------------------------------------
+
+
+def test_blocks_with_the_largest_norms_travel_with_one_index_each() -> None:
+    from thinwire.compress import run_locally
+
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(10, 13, generator=gen) * 0.01  # 130 values: the last block is short
+    grad.view(-1)[40:48] = 5.0  # block 5 of 8 values
+    grad.view(-1)[128:130] = 9.0  # the short last block (16): its norm is the second largest
+    comp = TopK(density=0.1, block=8)  # 13 values: two blocks
+    payload, numel = comp.compress(grad, Slot("w", 0, 1))
+    values, blocks = payload
+    assert sorted(blocks.tolist()) == [5, 16] and values.numel() == 16
+    assert sum(t.numel() * t.element_size() for t in payload) == 2 * (4 * 8 + 4)
+    restored = comp.decompress(payload, numel)
+    expected = torch.zeros(130)
+    expected[40:48], expected[128:130] = 5.0, 9.0
+    assert torch.equal(restored, expected)
+    result = run_locally(comp.exchange(grad, Slot("w", 0, 1)))
+    assert torch.equal(result.mean.reshape(-1), expected)
+    assert sorted(result.sent_indices.tolist()) == [*range(40, 48), 128, 129]
+
+
+def test_ranks_blocks_add_up_and_what_was_not_sent_stays_in_memory() -> None:
+    world = 4
+    grads = _gradients(world, (32, 64), seed=2)
+    comps = [TopK(density=0.05, block=4) for _ in range(world)]
+    memories = [ResidualMemory() for _ in range(world)]
+    corrected = [m.compensate(g, Slot("w", 0, world, r)) for r, (m, g) in
+                 enumerate(zip(memories, grads, strict=True))]  # fmt: skip
+    before = [c.clone() for c in corrected]
+    results, _ = _exchange(comps, corrected)
+    total = torch.zeros(32 * 64)
+    for rank, result in enumerate(results):
+        memories[rank].update(corrected[rank], result, Slot("w", 0, world, rank), True)
+        sent = before[rank].reshape(-1) - memories[rank].residuals["w"].reshape(-1)
+        assert int((sent != 0).sum()) == int(32 * 64 * 0.05 / 4 + 0.5) * 4  # whole blocks
+        total += sent
+    for result in results:
+        torch.testing.assert_close(result.mean.reshape(-1), total / world)
+
+
+def test_block_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="block must be an integer >= 1"):
+        TopK(block=0)
+    with pytest.raises(ValueError, match="do not go together yet"):
+        DGC(block=4, partitioned=True)
+    assert DGC(block=4).segmented is False

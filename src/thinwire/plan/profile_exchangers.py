@@ -21,7 +21,7 @@ from torch import Tensor
 from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
-from thinwire.plan.network import ALLGATHER, ALLREDUCE, Collective
+from thinwire.plan.network import ALLGATHER, ALLREDUCE, ALLTOALL, Collective
 from thinwire.plan.profile_buckets import Bucket, Exchanger
 from thinwire.plan.profile_torch_hooks import TorchHook
 from thinwire.strategies.compressed import split_communicator
@@ -61,23 +61,45 @@ class _LocalCommunicator(Communicator):
         self.sent: list[Collective] = []
 
     def supports(self, op: Op) -> bool:
-        """Everything but scatters when gathering (the partitioned sparse all-reduce is
-        not replayed here yet); sums and maxima under all-reduce."""
-        if op is Op.SCATTER:
-            return False
+        """Everything when gathering; sums and maxima under all-reduce."""
         return self.kind != ALLREDUCE or op in (Op.SUM, Op.MAX)
 
     def _execute(
         self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
     ) -> RoundResult:
         if self.kind != ALLREDUCE:
-            payload = sum(_nbytes(t) for r in requests for t in r.tensors)
-            self.sent.append(Collective(self.kind, payload + 1))
+            self._record_gathering(requests)
         else:
             for (_, dtype), members in group_by_op_and_dtype(requests).items():
                 numel = sum(t.numel() for i in members for t in requests[i].tensors)
                 self.sent.append(Collective(ALLREDUCE, numel * dtype.itemsize))
         return RoundResult([_answer(r, self.world_size) for r in requests], poisoned=False)
+
+    def _record_gathering(self, requests: Sequence[Request]) -> None:
+        """What the all-gather and direct communicators send for ``requests``: scatters in
+        an all-to-all (the rows addressed to the others, and their lengths), integer sums
+        in an all-reduce (all-gather) or a direct round, the rest in one gather."""
+        scatters, counts, rest = [], [], []
+        for request in requests:
+            if request.op is Op.SCATTER:
+                scatters.append(request)
+            elif request.op is Op.SUM and not request.tensors[0].is_floating_point():
+                counts.append(request)
+            else:
+                rest.append(request)
+        if rest or not (scatters or counts):
+            payload = sum(_nbytes(t) for r in rest for t in r.tensors)
+            self.sent.append(Collective(self.kind, payload + 1))
+        if scatters:
+            own = sum(_nbytes(t[: r.counts[0]]) for r in scatters for t in r.tensors)
+            total = sum(_nbytes(t) for r in scatters for t in r.tensors)
+            lengths = 8 * (self.world_size - 1)
+            self.sent.append(Collective(ALLTOALL, lengths))
+            self.sent.append(Collective(ALLTOALL, total - own + self.world_size - 1))
+        if counts:
+            numel = sum(t.numel() for r in counts for t in r.tensors) + 1
+            kind = ALLREDUCE if self.kind == ALLGATHER else self.kind
+            self.sent.append(Collective(kind, numel * counts[0].tensors[0].element_size()))
 
 
 class ThinwireEngine:
@@ -116,6 +138,9 @@ def _answer(request: Request, world: int) -> Any:
     """What the collective would return if every rank had sent this rank's payload."""
     if request.op is Op.GATHER:
         return [list(request.tensors)] * world
+    if request.op is Op.SCATTER:  # from every rank, the rows this one (rank 0) sent itself
+        own = request.counts[0] if request.counts else 0
+        return [[t[:own] for t in request.tensors]] * world
     if request.op is Op.SUM:
         return [t * world for t in request.tensors]
     return [t.clone() for t in request.tensors]
