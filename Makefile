@@ -35,7 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/thinwire demo
