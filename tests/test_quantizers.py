@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Sequence
-from functools import reduce
 from typing import Any
 
 import pytest
@@ -31,6 +30,7 @@ from thinwire.compress.onebit import encode as onebit_encode
 from thinwire.compress.onebit import encode_rows as onebit_encode_rows
 from thinwire.compress.qsgd import QSGD
 from thinwire.compress.signsgd import SignSGD
+from thinwire.compress.simulated import drive_ranks
 from thinwire.compress.stochastic import RankStream
 from thinwire.compress.terngrad import TernGrad, ternary_codes
 
@@ -63,26 +63,7 @@ def drive(protocols: Sequence[Exchange]) -> list[Exchanged]:
     """Run one protocol per rank in lock-step, answering each round like a communicator
     (a sum in the payload's dtype, a maximum, or every rank's tensors); every rank gets its
     own copy of the answer."""
-    answers: list[Any] = [None] * len(protocols)
-    results: list[Exchanged] = []
-    while True:
-        requests = []
-        for rank, protocol in enumerate(protocols):
-            try:
-                requests.append(protocol.send(answers[rank]))
-            except StopIteration as stop:
-                results.append(stop.value)
-        if not requests:
-            return results
-        assert len(requests) == len(protocols), "ranks finished after different rounds"
-        op = requests[0].op
-        assert all(r.op is op for r in requests)
-        if op is Op.GATHER:
-            answer: Any = [list(r.tensors) for r in requests]
-        else:
-            combine = torch.add if op is Op.SUM else torch.maximum
-            answer = [reduce(combine, column) for column in zip(*(r.tensors for r in requests))]
-        answers = [_copy(answer) for _ in protocols]
+    return drive_ranks(protocols)[0]
 
 
 def _copy(answer: Any) -> Any:

@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import thinwire
-from thinwire.compress import Op, Slot, run_locally
+from thinwire.compress import Slot, run_locally
 from thinwire.compress.base import Compressor, Exchange, Exchanged, Memory
 from thinwire.compress.dgc import DGC, nonzero_positions, warmup_stages
 from thinwire.compress.feedback import DGCMemory, NoMemory, ResidualMemory
 from thinwire.compress.powersgd import PowerSGD, orthogonalize_rows
 from thinwire.compress.powersgd_oneround import Bases, OneRoundPowerSGD
 from thinwire.compress.randomk import RandomK, sample_without_replacement
+from thinwire.compress.simulated import drive_ranks
 from thinwire.compress.topk import TopK
 
 
@@ -45,29 +46,7 @@ def exact_topk_set(x: Tensor, k: int) -> set[int]:
 def drive(protocols: Sequence[Exchange]) -> list[Exchanged]:
     """Run one protocol per rank in lock-step, answering like a communicator: a sum, a
     maximum or every rank's tensors. Every rank gets its own copy of the answer."""
-    answers: list[Any] = [None] * len(protocols)
-    results: list[Exchanged | None] = [None] * len(protocols)
-    while True:
-        requests = []
-        for rank, protocol in enumerate(protocols):
-            try:
-                requests.append(protocol.send(answers[rank]))
-            except StopIteration as stop:
-                results[rank] = stop.value
-        if not requests:
-            break
-        assert len(requests) == len(protocols), "ranks finished after different rounds"
-        assert len({r.op for r in requests}) == 1
-        columns = list(zip(*(r.tensors for r in requests)))
-        for rank in range(len(protocols)):
-            if requests[0].op is Op.SUM:
-                answers[rank] = [torch.stack(c).sum(0) for c in columns]
-            elif requests[0].op is Op.MAX:
-                answers[rank] = [torch.stack(c).amax(0) for c in columns]
-            else:
-                answers[rank] = [[t.clone() for t in r.tensors] for r in requests]
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
+    return drive_ranks(protocols)[0]
 
 
 # -- top-k and DGC selection --------------------------------------------------------------

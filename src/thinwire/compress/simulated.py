@@ -1,8 +1,8 @@
 """Many ranks in one process: drive one exchange protocol per rank in lock-step.
 
-Each round's requests are answered as a communicator would answer them (a sum, a
-maximum, every rank's tensors, or the rows each rank scattered to this one), and the
-payload bytes each rank would send to the others are counted: a sum's ring share
+Each round's requests are answered as a communicator would answer them (a sum or a
+maximum in the payload's dtype, every rank's tensors, or the rows each rank scattered to
+this one), and the payload bytes each rank would send to the others are counted: a sum's ring share
 ``2 (N - 1) / N`` of its bytes, a gather's bytes to each of ``N - 1`` others, a
 scatter's rows addressed to others. For tests of protocols at large world sizes and for
 modelling their bytes (``bench/sparse_bytes.py``); not a transport.
@@ -10,6 +10,7 @@ modelling their bytes (``bench/sparse_bytes.py``); not a transport.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,12 +46,10 @@ def drive_ranks(protocols: Sequence[Exchange]) -> tuple[list[Exchanged], list[in
 
 def _answer(requests: Sequence[Request], sent: list[int]) -> list[Any]:
     world, op = len(requests), requests[0].op
-    if op in (Op.SUM, Op.MAX):
+    if op in (Op.SUM, Op.MAX):  # in the payload's dtype, in rank order
+        combine = torch.add if op is Op.SUM else torch.maximum
         columns = zip(*(r.tensors for r in requests), strict=True)
-        if op is Op.SUM:
-            total = [torch.stack(c).sum(0) for c in columns]
-        else:
-            total = [torch.stack(c).amax(0) for c in columns]
+        total = [functools.reduce(combine, column) for column in columns]
         for rank, request in enumerate(requests):
             sent[rank] += 2 * (world - 1) * _nbytes(request.tensors) // world
         return [[t.clone() for t in total] for _ in range(world)]
