@@ -136,13 +136,13 @@ class Communicator(ABC):
                 f"(they cannot be summed), but communicator {self.name!r} only sums; "
                 "use communicator='allgather' (or 'auto')"
             )
-        if getattr(compressor, "partitioned", False) and not self.supports(Op.SCATTER):
+        if compressor.scatters and not self.supports(Op.SCATTER):
             raise IncompatibleCompressorError(
                 f"compressor {compressor.name!r} with partitioned=True sends each rank its "
                 f"own part of the index space (an all-to-all), which communicator "
                 f"{self.name!r} cannot carry (the 'allgather' and 'direct' communicators of "
-                "data parallelism can; the parameter server and the planner cannot yet): "
-                "use partitioned=False here"
+                "data parallelism can; the parameter server cannot yet): use "
+                "partitioned=False here"
             )
 
     def execute(
@@ -229,14 +229,7 @@ class AllGatherCommunicator(Communicator):
     def _execute(
         self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
     ) -> RoundResult:
-        kinds: dict[str, list[int]] = {"gather": [], "scatter": [], "count": []}
-        for i, request in enumerate(requests):
-            if request.op is Op.SCATTER:
-                kinds["scatter"].append(i)
-            elif request.op is Op.SUM and not request.tensors[0].is_floating_point():
-                kinds["count"].append(i)
-            else:
-                kinds["gather"].append(i)
+        kinds = gathering_routes(requests)
         if not kinds["scatter"] and not kinds["count"]:
             return self._gather_round(requests, poison, lazy)
         answers: list[Any] = [None] * len(requests)
@@ -370,6 +363,21 @@ def make_communicator(
 
 
 # -- helpers --------------------------------------------------------------------------------
+
+
+def gathering_routes(requests: Sequence[Request]) -> dict[str, list[int]]:
+    """Indices of ``requests`` by how a gathering communicator sends them: ``"scatter"``
+    (an all-to-all), ``"count"`` (integer sums: an all-reduce, exact in any order) and
+    ``"gather"`` (the rest: one all-gather)."""
+    routes: dict[str, list[int]] = {"gather": [], "scatter": [], "count": []}
+    for i, request in enumerate(requests):
+        if request.op is Op.SCATTER:
+            routes["scatter"].append(i)
+        elif request.op is Op.SUM and not request.tensors[0].is_floating_point():
+            routes["count"].append(i)
+        else:
+            routes["gather"].append(i)
+    return routes
 
 
 def group_by_op_and_dtype(requests: Sequence[Request]) -> dict[tuple[Op, torch.dtype], list[int]]:

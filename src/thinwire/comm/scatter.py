@@ -49,13 +49,11 @@ def scatter_round(
             rows = slice(begin[dest], begin[dest] + request.counts[dest])
             parts.extend(t[rows] for t in request.tensors)
         messages.append(frame(parts, poison, device))
-    lengths = torch.tensor([m.numel() for m in messages], dtype=torch.int64)
-    incoming = torch.empty_like(lengths)
-    control = lengths.to(device) if device.type != "cpu" else lengths
-    received_lengths = incoming.to(device) if device.type != "cpu" else incoming
-    collective(dist.all_to_all_single, received_lengths, control)
+    out_sizes = [m.numel() for m in messages]
+    lengths = torch.tensor(out_sizes, dtype=torch.int64).to(device)
+    received_lengths = torch.empty_like(lengths)
+    collective(dist.all_to_all_single, received_lengths, lengths)
     in_sizes = [int(n) for n in received_lengths.cpu()]
-    out_sizes = [int(n) for n in lengths]
     buffer = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
     collective(
         dist.all_to_all_single,

@@ -157,6 +157,9 @@ class Compressor(ABC):
     #: whether the compressor exchanges small tensors side by side as segments of one
     #: flat tensor (:meth:`exchange_segmented`): 1-bit SGD, signSGD
     segmented: ClassVar[bool] = False
+    #: whether the exchange scatters (``Request.scatter``: an uneven all-to-all), which
+    #: only some communicators carry (top-k and DGC with ``partitioned``)
+    scatters: ClassVar[bool] = False
     #: whether a NaN or an infinity in a tensor always reaches the sum its exchange asks
     #: for (one summed round of an element-wise image that keeps them: none, fp16, bf16):
     #: a communicator that checks its sums then catches every rank's non-finite values

@@ -37,9 +37,9 @@ from torch import Tensor
 
 from thinwire.compress.base import Request, Slot
 
-#: (shift, width) of the radix rounds over the 31 bits of a non-negative float32: 6-bit
-#: digits kept the histograms' bytes under the k entries' on the image task at density
-#: 0.001 (8-bit digits, four rounds, sent 1.4x more in all at 8 ranks; bench/sparse_bytes.py)
+#: (shift, width) of the radix rounds over the 31 bits of a non-negative float32: with
+#: 6-bit digits the image model at density 0.001 sent 3.24x its k entries' bytes at 8
+#: ranks, with 8-bit digits in four rounds 4.52x (bench/sparse_bytes.py, one run each)
 RADIX_ROUNDS = ((25, 6), (19, 6), (13, 6), (7, 6), (1, 6), (0, 1))
 #: the bytes of one rank's histograms per tensor per step (int32 bins)
 HISTOGRAM_BYTES = sum(4 << width for _, width in RADIX_ROUNDS)
@@ -49,8 +49,8 @@ ENTRY_BYTES = 8
 
 def partition_pays(k: int, world: int) -> bool:
     """Whether the partitioned exchange sends fewer bytes than gathering for ``k`` entries
-    on ``world`` ranks (both ranks' estimates: gather ``(N - 1) k`` entries received;
-    partitioned about ``2k`` each way plus the histograms, ring all-reduced)."""
+    on ``world`` ranks, by estimate: gathering sends ``(N - 1) k`` entries; the
+    partitioned exchange about ``2k`` plus the histograms, ring all-reduced."""
     gathered = ENTRY_BYTES * k * (world - 1)
     partitioned = 2 * ENTRY_BYTES * k + 2 * HISTOGRAM_BYTES
     return world > 1 and gathered > partitioned

@@ -84,6 +84,7 @@ class TopK(Compressor):
             )
         if self.partitioned or self.block > 1:  # each tensor on its own
             self.segmented = False
+        self.scatters = self.partitioned
 
     def compresses(self, tensor: Tensor) -> bool:
         """Tensors of one dimension (biases, norms) go dense."""
@@ -106,7 +107,7 @@ class TopK(Compressor):
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.density_at(slot))
         if self.block > 1:
-            chosen, values = pick_blocks(flat, blocks_for(k, self.block, flat.numel()), self.block)
+            chosen, values = self._pick_blocks(flat, k)
             mean = yield from gather_blocks(values, chosen, flat, self.block, slot.world_size)
             sent = element_indices(chosen, self.block, flat.numel())
             return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=sent)
@@ -135,6 +136,10 @@ class TopK(Compressor):
         mean = yield from gather_sparse(values, indices, flat, slots[0].world_size)
         return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
 
+    def _pick_blocks(self, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The blocks that carry about ``k`` values of ``flat`` (``block`` > 1)."""
+        return pick_blocks(flat, blocks_for(k, self.block, flat.numel()), self.block)
+
     def density_at(self, slot: Slot) -> float:
         """The density used at ``slot.step`` (constant here; DGC warms up)."""
         return self.density
@@ -155,7 +160,7 @@ class TopK(Compressor):
         flat = tensor.reshape(-1)
         k = num_selected(flat.numel(), self.density_at(slot))
         if self.block > 1:
-            chosen, values = pick_blocks(flat, blocks_for(k, self.block, flat.numel()), self.block)
+            chosen, values = self._pick_blocks(flat, k)
             return [values, chosen.to(torch.int32)], flat.numel()
         indices, values = self.pick(flat, k, slot)
         return [values, indices.to(torch.int32)], flat.numel()

@@ -18,7 +18,12 @@ from typing import Any
 
 from torch import Tensor
 
-from thinwire.comm.collectives import Communicator, RoundResult, group_by_op_and_dtype
+from thinwire.comm.collectives import (
+    Communicator,
+    RoundResult,
+    gathering_routes,
+    group_by_op_and_dtype,
+)
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
 from thinwire.plan.network import ALLGATHER, ALLREDUCE, ALLTOALL, Collective
@@ -79,14 +84,10 @@ class _LocalCommunicator(Communicator):
         """What the all-gather and direct communicators send for ``requests``: scatters in
         an all-to-all (the rows addressed to the others, and their lengths), integer sums
         in an all-reduce (all-gather) or a direct round, the rest in one gather."""
-        scatters, counts, rest = [], [], []
-        for request in requests:
-            if request.op is Op.SCATTER:
-                scatters.append(request)
-            elif request.op is Op.SUM and not request.tensors[0].is_floating_point():
-                counts.append(request)
-            else:
-                rest.append(request)
+        routes = gathering_routes(requests)
+        scatters = [requests[i] for i in routes["scatter"]]
+        counts = [requests[i] for i in routes["count"]]
+        rest = [requests[i] for i in routes["gather"]]
         if rest or not (scatters or counts):
             payload = sum(_nbytes(t) for r in rest for t in r.tensors)
             self.sent.append(Collective(self.kind, payload + 1))
