@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from thinwire.bench import runner
 from thinwire.bench.methods import parse_methods
 from thinwire.bench.runner import BenchConfig, run_bench, split_link_time
-from thinwire.cluster import check_can_emulate, list_namespaces
+from thinwire.cluster import EmulatedCluster, check_can_emulate, list_namespaces
 from thinwire.cluster.private import check_private_loopback
 from thinwire.tasks import task
 
@@ -429,7 +430,19 @@ def test_sleeping_compute_runs_the_methods_on_the_measured_stage_times(tmp_path:
 
 
 @pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")
-def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
+def test_a_short_emulated_run_counts_real_wire_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[EmulatedCluster] = []
+
+    class RecordedCluster(EmulatedCluster):
+        """The runner's cluster, remembered: other tests may bring up clusters meanwhile."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(runner, "EmulatedCluster", RecordedCluster)
     config = BenchConfig(
         task="digits",
         methods=parse_methods("local,dense"),
@@ -440,7 +453,6 @@ def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
         lr=0.1,
         network="emulated",
     )
-    before = set(list_namespaces())
     records = {r["method"]: r for r in run_bench(config, tmp_path)}
     ring = _dense_ring_bytes(2)
     # the kernel's counters include TCP/IP headers and acknowledgements, nothing else
@@ -454,7 +466,8 @@ def test_a_short_emulated_run_counts_real_wire_bytes(tmp_path: Path) -> None:
     assert 0.6 * 50e6 <= records["dense"]["allreduce_link_bps"] <= 1.25 * 50e6
     # a few ms of latency per all-reduce, give or take the fit's noise; not seconds
     assert abs(records["dense"]["allreduce_fixed_s"]) < 0.1
-    assert set(list_namespaces()) <= before  # the run's cluster went away
+    assert built  # the run's clusters (one per method) are gone again
+    assert not {h.namespace for c in built for h in c.hosts} & set(list_namespaces())
     assert (tmp_path / "results.json").exists()
 
 
