@@ -12,6 +12,12 @@ import pytest
 from thinwire.launch import LocalPool, free_port, process_context
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# ranks fork from a server that imported these once (thinwire.launch.process_context): eight
+# ranks each importing transformers cost 8 x 4 s of CPU per pool on this 2-core machine
+os.environ.setdefault(
+    "THINWIRE_PRELOAD",
+    "transformers.models.llama.modeling_llama,transformers.models.gpt2.modeling_gpt2",
+)
 
 
 class RestartingPool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from thinwire.bench import runner
 from thinwire.bench.methods import parse_methods
 from thinwire.bench.runner import BenchConfig, run_bench, split_link_time
+from thinwire.bench.sleeping import Stage
 from thinwire.cluster import EmulatedCluster, check_can_emulate, list_namespaces
 from thinwire.cluster.private import check_private_loopback
 from thinwire.tasks import task
@@ -427,6 +430,33 @@ def test_sleeping_compute_runs_the_methods_on_the_measured_stage_times(tmp_path:
         # the twin returns zeros: cross-entropy over 10 classes, whatever the weights
         assert record["final_train_loss"] == pytest.approx(2.302585, abs=1e-5)
     assert records[1]["thinwire"]["payload_bytes_median"] > 0  # powersgd exchanged
+
+
+def test_a_compute_speedup_divides_the_sleeps_and_needs_sleeping_compute() -> None:
+    class TwoRanks:
+        """Two ranks' measurements of one stage, as a pool would return them."""
+
+        def run(self, fn: Any, *args: Any, timeout: float) -> list[list[Stage]]:
+            return [[Stage("body", 0.2, 0.4)], [Stage("body", 0.4, 0.8)]]
+
+    dense = parse_methods("dense")
+    config = BenchConfig(task="digits", methods=dense, compute="sleep", compute_speedup=10)
+    console = Console(file=io.StringIO())
+    (stage,) = runner._measure_stages(TwoRanks(), config, console)  # type: ignore[arg-type]
+    assert (stage.forward_s, stage.backward_s) == pytest.approx((0.03, 0.06))  # mean / 10
+    assert "10x faster than this CPU" in console.file.getvalue()
+    for bad in (0, -2.0, float("nan"), "fast"):
+        with pytest.raises(ValueError, match="--compute-speedup must be a number > 0"):
+            BenchConfig(task="digits", methods=dense, compute="sleep", compute_speedup=bad)
+    with pytest.raises(ValueError, match="add --compute sleep or drop the speed-up"):
+        BenchConfig(task="digits", methods=dense, compute_speedup=50)
+    thinwire = [sys.executable, "-m", "thinwire.cli", "bench"]
+    plans = subprocess.run(
+        [*thinwire, "--plans", "2x1x1", "--compute", "sleep", "--compute-speedup", "5"],
+        capture_output=True,
+        text=True,
+    )
+    assert plans.returncode == 2 and "drop --compute-speedup" in plans.stdout
 
 
 @pytest.mark.skipif(check_can_emulate() is not None, reason=f"{check_can_emulate()}")

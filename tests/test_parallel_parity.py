@@ -128,10 +128,17 @@ def reference(
 
 
 def train_parallel(
-    rank: int, world: int, kind: str, plan: ParallelPlan, optimizer: str, steps: int = STEPS
+    rank: int,
+    world: int,
+    kind: str,
+    plan: ParallelPlan,
+    optimizer: str,
+    steps: int = STEPS,
+    layers: int | None = None,
 ):
-    """On every rank: 5 steps under ``plan``; the losses, and rank 0's full weights."""
-    model = build_model(kind, blocks_for(plan.pp))
+    """On every rank: 5 steps under ``plan`` (of a model with ``layers`` blocks, by
+    default :func:`blocks_for` the plan); the losses, and rank 0's full weights."""
+    model = build_model(kind, layers or blocks_for(plan.pp))
     trainer = parallelize(model, plan, optimizer=make_optimizer(optimizer))
     losses = [trainer.step(b[:, :-1], b[:, 1:]) for b in batches()[:steps]]
     full = trainer.full_state_dict()
@@ -257,11 +264,13 @@ def test_sub_batches_change_neither_losses_nor_weights(pool8) -> None:
     Hugging Face's Llama. SGD, weights rtol 1e-5 with atol 1e-7: the sub-batches'
     gradients are summed in another order, rounding differently (under AdamW a weight
     whose true gradient is about zero would step on that rounding alone: see above)."""
-    for kind in ("llama", "hf-llama"):  # 3 steps: the third starts from weights both moved
+    # 2 steps: the second starts from weights both moved; one block a stage (each block's
+    # four all-reduces are where the sub-batches take turns: more blocks only repeat them)
+    for kind in ("llama", "hf-llama"):
         plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=2)
-        expected = pool8.run(train_parallel, kind, plain, "sgd", 3, timeout=300)
+        expected = pool8.run(train_parallel, kind, plain, "sgd", 2, 2, timeout=300)
         split = replace(plain, subbatches=2)
-        results = pool8.run(train_parallel, kind, split, "sgd", 3, timeout=300)
+        results = pool8.run(train_parallel, kind, split, "sgd", 2, 2, timeout=300)
         for (losses, _), (want, _) in zip(results, expected, strict=True):
             np.testing.assert_allclose(losses, want, rtol=1e-5)
         for name, value in expected[0][1].items():
@@ -273,8 +282,9 @@ def test_sub_batches_change_neither_losses_nor_weights(pool8) -> None:
 def test_recomputation_in_sub_batches_replays_their_dropout(pool8) -> None:
     """A GPT with dropout in 2 sub-batches: recomputing (shifted 1F1B, ahead of the
     backward on stage 0, inside it on the last) changes neither losses nor weights, over
-    2 steps (the second from weights the first moved: the slowest test of the suite)."""
-    plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=4, subbatches=2)
+    2 steps (the second from weights the first moved), 2 micro-batches (each stage meets
+    both kinds of turn; more only repeat them: this was the slowest test of the suite)."""
+    plain = ParallelPlan(dp=2, pp=2, tp=2, microbatches=2, subbatches=2)
     expected = pool8.run(train_with_dropout, plain, 2, timeout=300)
     plan = replace(plain, schedule="shifted-1f1b", recompute=(1.0, 0.5))
     results = pool8.run(train_with_dropout, plan, 2, timeout=300)

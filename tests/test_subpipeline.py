@@ -8,6 +8,10 @@ The multi-rank parity (losses and weights equal the run without sub-batches) is 
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +68,32 @@ def test_an_error_in_one_sub_batch_stops_them_all(fake_group) -> None:
 
     with pytest.raises(ValueError, match="broken sub-batch"):
         in_turns([waiting, failing, waiting])
+
+
+def test_sub_batches_run_on_the_same_threads_call_after_call() -> None:
+    """DTensor caches its sharding decisions per thread: threads started afresh for each
+    micro-batch worked them out again for every operation (4-7x slower steps)."""
+
+    def idents() -> list[int]:
+        return in_turns([threading.get_ident, threading.get_ident, threading.get_ident])
+
+    first = idents()
+    assert len(set(first)) == 3 and threading.get_ident() not in first
+    assert idents() == first and idents()[:2] == in_turns([threading.get_ident] * 2)
+
+    def subbatch_threads() -> set[int]:
+        alive = threading.enumerate()
+        return {t.ident for t in alive if t.name.startswith("thinwire-subbatch-")}
+
+    before = subbatch_threads()
+    owner = threading.Thread(target=idents)  # its workers go when it ends
+    owner.start()
+    owner.join()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while subbatch_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert subbatch_threads() == before
 
 
 def test_each_sub_batch_draws_a_stream_of_its_own() -> None:

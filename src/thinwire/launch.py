@@ -72,7 +72,10 @@ def process_context() -> Any:
     """The multiprocessing context pools start their ranks with: ``forkserver`` on Linux,
     preloaded with torch (the server is started once per process, on first use, and forks
     each rank from there), ``spawn`` elsewhere. ``THINWIRE_START_METHOD=spawn`` forces
-    spawn (to compare, or where a preloaded torch misbehaves)."""
+    spawn (to compare, or where a preloaded torch misbehaves). ``THINWIRE_PRELOAD``: more
+    modules, comma-separated, for the server to import too (say
+    ``transformers.models.llama.modeling_llama`` where every rank builds a Hugging Face
+    model: each then skips seconds of imports); one that is not installed is skipped."""
     wanted = os.environ.get("THINWIRE_START_METHOD", "")
     if wanted not in ("", "spawn", "forkserver"):
         raise ValueError(
@@ -83,7 +86,8 @@ def process_context() -> Any:
     if wanted == "spawn" or (wanted == "" and not linux):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOADED)  # no effect once the server runs
+    extra = [name.strip() for name in os.environ.get("THINWIRE_PRELOAD", "").split(",")]
+    ctx.set_forkserver_preload(_PRELOADED + [n for n in extra if n])  # once the server runs: none
     _start_forkserver_quietly()
     return ctx
 

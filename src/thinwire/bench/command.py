@@ -113,6 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sleep: replace the model's compute by sleeps of its measured stage times, as "
         "on an accelerator that leaves the CPU to the network (timings only; no eval)",
     )
+    parser.add_argument(
+        "--compute-speedup",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="with --compute sleep: sleep each stage's measured time divided by N, a virtual "
+        "accelerator N times this CPU (a GPU steps a small model tens of times faster; "
+        "default 1)",
+    )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out metric")
     parser.add_argument(
         "--timeout",
@@ -211,6 +220,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             fuse_rounds=not args.no_fuse_rounds,
             lr_schedule=args.lr_schedule,
             compute=args.compute,
+            compute_speedup=args.compute_speedup,
             broadcast_buffers=not args.no_broadcast_buffers,
             repeats=args.repeats,
             faults=tuple(parse_fault(f, args.workers, args.steps) for f in args.fault),
@@ -249,6 +259,12 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
     from thinwire.bench.hybrid import HybridConfig, plot_losses, run_hybrid
     from thinwire.parallel.plan_spec import parse_plans
 
+    if args.compute_speedup != 1:
+        console.print(
+            "[red]error:[/] --compute-speedup applies to --methods runs; --plans --compute "
+            "sleep sleeps each stage's time as measured here: drop --compute-speedup"
+        )
+        return 2
     try:
         config = HybridConfig(
             task=args.task,

@@ -37,7 +37,7 @@ from thinwire.bench.faults import FaultSchedule, ScheduledFault
 from thinwire.bench.methods import Method
 from thinwire.bench.ratios import add_ratios, throughput_step_s
 from thinwire.bench.repeats import by_repeat, check_repeats, repeat_label, repeat_order
-from thinwire.bench.sleeping import Stage
+from thinwire.bench.sleeping import Stage, check_compute
 from thinwire.bench.worker import (
     BenchJob,
     check_lr_schedule,
@@ -76,6 +76,8 @@ class BenchConfig:
     timeout_s: float = 3600.0
     lr_schedule: str = "constant"
     compute: str = "real"
+    #: under ``compute="sleep"``: the virtual accelerator is this many times this CPU
+    compute_speedup: float = 1.0
     broadcast_buffers: bool = True
     repeats: int = 1
     #: link faults ordered in every method's run (:mod:`thinwire.bench.faults`)
@@ -115,15 +117,11 @@ class BenchConfig:
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"the timeout must be a number of seconds > 0, got {self.timeout_s!r}")
         check_lr_schedule(self.lr_schedule)
-        if self.compute not in COMPUTE_CHOICES:
-            raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {self.compute!r}")
-        if self.compute == "sleep":
-            sparse = [m.name for m in self.methods if m.strategy.embedding]
-            if sparse:
-                raise ValueError(
-                    f"--compute sleep keeps the model's parameters as they are, and {sparse} "
-                    "replace its embeddings; run those with --compute real"
-                )
+        check_compute(
+            self.compute,
+            self.compute_speedup,
+            [m.name for m in self.methods if m.strategy.embedding],
+        )
         parse_rate(self.bandwidth)
         parse_duration(self.latency)
         if self.faults and self.network != "emulated":
@@ -141,10 +139,6 @@ class BenchConfig:
         warmups += [m.options.get("start_powerSGD_iter", 0) for m in self.methods]
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
-
-#: ``real``: train the task's model; ``sleep``: an accelerator's compute, emulated by
-#: sleeping each stage's measured time (:mod:`thinwire.bench.sleeping`; timings only)
-COMPUTE_CHOICES = ("real", "sleep")
 
 #: seconds of link time of the two all-reduces that separate bandwidth from fixed cost
 LINK_PROBE_S = (0.5, 2.5)
@@ -265,19 +259,21 @@ def _measure_stages(pool: LocalPool, config: BenchConfig, console: Console) -> l
     first = per_rank[0]
     if any([s.name for s in stages] != [s.name for s in first] for stages in per_rank):
         raise RuntimeError("ranks called the model's modules in different orders")
+    speedup = config.compute_speedup
     stages = [
         Stage(
             stage.name,
-            statistics.fmean(r[i].forward_s for r in per_rank),
-            statistics.fmean(r[i].backward_s for r in per_rank),
+            statistics.fmean(r[i].forward_s for r in per_rank) / speedup,
+            statistics.fmean(r[i].backward_s for r in per_rank) / speedup,
         )
         for i, stage in enumerate(first)
     ]
     forward = sum(s.forward_s for s in stages)
     backward = sum(s.backward_s for s in stages)
+    faster = f", {speedup:g}x faster than this CPU" if speedup != 1 else ""
     console.print(
-        f"compute: sleeps of the measured {len(stages)} stages, {forward:.3f} s forward and "
-        f"{backward:.3f} s backward a step (timings only: the losses mean nothing)"
+        f"compute: sleeps of the measured {len(stages)} stages{faster}, {forward:.3f} s "
+        f"forward and {backward:.3f} s backward a step (timings only: the losses mean nothing)"
     )
     return stages
 

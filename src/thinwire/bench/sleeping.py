@@ -24,7 +24,39 @@ from torch import Tensor, nn
 
 from thinwire.plan.profile_layers import Stage, own_parameters, profile_stages, stage_modules
 
-__all__ = ["SleepingModel", "Stage", "profile_stages", "sleeping_twin", "stage_modules"]
+__all__ = [
+    "COMPUTE_CHOICES",
+    "SleepingModel",
+    "Stage",
+    "check_compute",
+    "profile_stages",
+    "sleeping_twin",
+    "stage_modules",
+]
+
+#: ``real``: train the task's model; ``sleep``: an accelerator's compute, emulated by
+#: sleeping each stage's measured time (timings only)
+COMPUTE_CHOICES = ("real", "sleep")
+
+
+def check_compute(compute: str, speedup: float, embedding_methods: list[str]) -> None:
+    """Refuse a compute mode that is not one, a speed-up that is not a number > 0 or that
+    has no sleeps to shorten, and ``--compute sleep`` for methods that replace embeddings
+    (``embedding_methods``)."""
+    if compute not in COMPUTE_CHOICES:
+        raise ValueError(f"compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
+    if isinstance(speedup, bool) or not isinstance(speedup, int | float) or not 0 < speedup < 1e6:
+        raise ValueError(f"--compute-speedup must be a number > 0, got {speedup!r}")
+    if speedup != 1 and compute != "sleep":
+        raise ValueError(
+            f"--compute-speedup {speedup:g} shortens the sleeps of --compute sleep; real compute "
+            "runs at this CPU's speed: add --compute sleep or drop the speed-up"
+        )
+    if compute == "sleep" and embedding_methods:
+        raise ValueError(
+            f"--compute sleep keeps the model's parameters as they are, and {embedding_methods} "
+            "replace its embeddings; run those with --compute real"
+        )
 
 
 class _SleepThrough(torch.autograd.Function):
