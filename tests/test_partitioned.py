@@ -18,11 +18,8 @@ from torch import Tensor
 from thinwire.compress import Slot
 from thinwire.compress.dgc import DGC
 from thinwire.compress.feedback import DGCMemory, ResidualMemory
-from thinwire.compress.partitioned import (
-    ENTRY_BYTES,
-    RADIX_ROUNDS,
-    partition_pays,
-)
+from thinwire.compress.partitioned import ENTRY_BYTES, partition_pays
+from thinwire.compress.selection import RADIX_ROUNDS
 from thinwire.compress.simulated import drive_ranks
 from thinwire.compress.topk import TopK
 
@@ -159,23 +156,27 @@ def test_bad_options_are_refused_with_what_to_write():
 GLOO_SHAPE, GLOO_DENSITY = (256, 1024), 0.01
 
 
-def _round_on_gloo(rank: int, world: int, kind: str) -> tuple:
-    """One partitioned exchange driven round by round over a real communicator."""
+def _round_on_gloo(rank: int, world: int, kind: str) -> list[tuple]:
+    """Two partitioned exchanges (radix selection, then the window) driven round by
+    round over a real communicator."""
     from thinwire.comm.collectives import COMMUNICATORS, Traffic
 
     communicator = COMMUNICATORS[kind]()
-    grad = _gradients(world, GLOO_SHAPE, seed=11)[rank]
     compressor = TopK(density=GLOO_DENSITY, partitioned=True)
-    protocol = compressor.exchange(grad, Slot("w", 0, world, rank))
-    answer, traffic, rounds = None, Traffic(), 0
-    try:
-        while True:
-            done = communicator.execute([protocol.send(answer)])
-            answer, rounds = done.answers[0], rounds + 1
-            traffic.add(done.traffic)
-    except StopIteration as stop:
-        result = stop.value
-    return result.mean.numpy(), result.sent_indices.numpy(), traffic.sent, rounds
+    steps = []
+    for step in (0, 1):
+        grad = _gradients(world, GLOO_SHAPE, seed=11 + step)[rank]
+        protocol = compressor.exchange(grad, Slot("w", step, world, rank))
+        answer, traffic, rounds = None, Traffic(), 0
+        try:
+            while True:
+                done = communicator.execute([protocol.send(answer)])
+                answer, rounds = done.answers[0], rounds + 1
+                traffic.add(done.traffic)
+        except StopIteration as stop:
+            result = stop.value
+        steps.append((result.mean.numpy(), result.sent_indices.numpy(), traffic.sent, rounds))
+    return steps
 
 
 @pytest.mark.multiprocess
@@ -184,16 +185,20 @@ def _round_on_gloo(rank: int, world: int, kind: str) -> tuple:
 def test_gloo_ranks_receive_what_the_simulated_ranks_do(pool4, kind: str) -> None:
     world = 4
     comps = [TopK(density=GLOO_DENSITY, partitioned=True) for _ in range(world)]
-    expected, sent = _exchange(comps, _gradients(world, GLOO_SHAPE, seed=11))
     found = pool4.run(_round_on_gloo, kind)
     k = int(GLOO_SHAPE[0] * GLOO_SHAPE[1] * GLOO_DENSITY)
-    for rank, (mean, applied, wire, rounds) in enumerate(found):
-        assert torch.equal(torch.from_numpy(mean), expected[rank].mean)
-        assert torch.equal(torch.from_numpy(applied), expected[rank].sent_indices)
-        assert rounds == len(RADIX_ROUNDS) + 2  # to the owners, histograms, back to all
-        # the simulated count (rows only) plus headers, status bytes and the lengths
-        assert sent[rank] <= wire <= sent[rank] + 4096, (wire, sent[rank])
-        assert wire < 3 * k * ENTRY_BYTES
+    # to the owners, the threshold (radix selection; then a window and a gather), back
+    for step, selection_rounds in ((0, len(RADIX_ROUNDS)), (1, 2)):
+        grads = _gradients(world, GLOO_SHAPE, seed=11 + step)
+        expected, sent = _exchange(comps, grads, step)
+        for rank, steps in enumerate(found):
+            mean, applied, wire, rounds = steps[step]
+            assert torch.equal(torch.from_numpy(mean), expected[rank].mean)
+            assert torch.equal(torch.from_numpy(applied), expected[rank].sent_indices)
+            assert rounds == selection_rounds + 2
+            # the simulated count (rows only) plus headers, status bytes and the lengths
+            assert sent[rank] <= wire <= sent[rank] + 4096, (wire, sent[rank])
+            assert wire < 3 * k * ENTRY_BYTES
 
 
 def _bucket_on_gloo(rank: int, world: int) -> list:
@@ -324,3 +329,112 @@ def test_block_options_are_checked() -> None:
     with pytest.raises(ValueError, match="do not go together yet"):
         DGC(block=4, partitioned=True)
     assert DGC(block=4).segmented is False
+
+
+# -- the threshold in few rounds --------------------------------------------------------------
+
+
+def _counted(protocol, ops: list):
+    """``protocol``, noting the kind of each round it asks for in ``ops``."""
+    answer = None
+    try:
+        while True:
+            request = protocol.send(answer)
+            ops.append(request.op)
+            answer = yield request
+    except StopIteration as stop:
+        return stop.value
+
+
+def _bits(value: float) -> int:
+    """A float32's bit pattern."""
+    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32))
+
+
+def _value(bits: int) -> float:
+    """The float32 of a bit pattern."""
+    return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32))
+
+
+def _kth_on_ranks(per_rank: list[Tensor], k: int, hint: int) -> tuple[int, list]:
+    """:func:`select_threshold` driven on ``len(per_rank)`` simulated ranks: the
+    threshold every rank found (asserted equal) and the kinds of rounds taken."""
+    from thinwire.compress.selection import select_threshold
+
+    world, ops = len(per_rank), []
+    protocols = [
+        _counted(select_threshold(bits, k, world, hint), ops if rank == 0 else [])
+        for rank, bits in enumerate(per_rank)
+    ]
+    found, _ = drive_ranks(protocols)
+    assert len(set(found)) == 1
+    return found[0], ops
+
+
+@pytest.mark.parametrize("world", [2, 5, 16])
+def test_the_windowed_threshold_is_the_exact_kth_largest_wherever_the_hint_is(world: int):
+    """Against sorting every rank's values: hints at the answer, near it, an octave and
+    more away (the window misses: radix selection takes over), none; values spread over
+    decades and values crowded into one bin (its values too many to gather)."""
+    from thinwire.compress.base import Op
+    from thinwire.compress.selection import LOW_ROUNDS, RADIX_ROUNDS
+
+    gen = torch.Generator().manual_seed(world)
+    spread = [torch.randn(300, generator=gen).abs() * 10 ** torch.randint(-4, 2, (300,),
+              generator=gen) for _ in range(world)]  # fmt: skip
+    crowded = [1.0 + torch.rand(1100, generator=gen) * 1e-3 for _ in range(world)]
+    for values in (spread, crowded):
+        bits = [v.float().view(torch.int32) for v in values]
+        every = torch.cat(bits).sort(descending=True).values
+        for k in (1, 7, 100, every.numel() - 1, every.numel(), every.numel() + 5):
+            want = int(every[k - 1]) if k < every.numel() else 0
+            if k == every.numel():
+                want = 0  # at most k in all: keep every one
+            for factor in (None, 1.0, 1.1, 0.7, 3.0, 0.2, 1e4):
+                hint = 0 if factor is None or want == 0 else _bits(_value(want) * factor)
+                found, ops = _kth_on_ranks(bits, k, hint)
+                assert found == want, (k, factor)
+                if hint == 0:
+                    assert len(ops) == len(RADIX_ROUNDS) or found == 0
+                elif factor in (1.0, 1.1, 0.7) and values is spread:
+                    assert ops == [Op.SUM, Op.GATHER]  # the window, then the boundary bin
+                elif factor == 1.0:  # crowded: the boundary bin by radix over its low bits
+                    assert ops == [Op.SUM] * (1 + len(LOW_ROUNDS))
+                elif factor in (0.2, 1e4):  # out of the window: one round lost
+                    assert len(ops) == 1 + len(RADIX_ROUNDS)
+
+
+def test_after_the_first_step_the_exchange_takes_four_rounds_and_stays_exact():
+    """Four steps of slowly changing gradients, then one ten thousand times larger: the
+    global top-k equals the single-process reference at every step; rounds (a scatter is
+    one here, two all-to-alls on a communicator): 1 + 6 + 1 on the first step (radix
+    selection), 1 + 2 + 1 after, one more where the threshold left the window."""
+    from thinwire.compress.selection import RADIX_ROUNDS
+
+    world, density, shape = 8, 0.01, (128, 512)
+    k = int(shape[0] * shape[1] * density)
+    comps = [TopK(density=density, partitioned=True) for _ in range(world)]
+    base = _gradients(world, shape, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    rounds = []
+    for step, scale in enumerate((1.0, 1.0, 1.0, 1.0, 1e4)):
+        grads = [(g + 0.05 * torch.randn(shape, generator=gen)) * scale for g in base]
+        ops: list = []
+        protocols = [
+            _counted(c.exchange(g, Slot("w", step, world, r)), ops if r == 0 else [])
+            for r, (c, g) in enumerate(zip(comps, grads, strict=True))
+        ]
+        results, _ = drive_ranks(protocols)
+        summed = torch.zeros(grads[0].numel())
+        for g in grads:
+            flat = g.reshape(-1)
+            top = torch.topk(flat.abs(), k).indices
+            summed.index_add_(0, top, flat[top])
+        chosen = torch.topk(summed.abs(), k).indices
+        expected = torch.zeros_like(summed)
+        expected[chosen] = summed[chosen] / world
+        for result in results:
+            assert torch.equal(result.mean.reshape(-1), expected), step
+        rounds.append(len(ops))
+    radix = 1 + len(RADIX_ROUNDS) + 1
+    assert rounds == [radix, 4, 4, 4, radix + 1]

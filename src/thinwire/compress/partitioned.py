@@ -7,9 +7,11 @@ the tensor's flat index space instead (a partition), and a step takes three stag
 1. **to the owners**: each rank sends every one of its k entries to the rank that owns
    its index (an uneven all-to-all, ``Request.scatter``); each owner sums what arrived;
 2. **prune in the middle**: the global k-th largest magnitude of those sums is found
-   exactly by radix selection on their float32 bit patterns: six rounds, each summing a
-   histogram of the next 6 bits (64 bins, 256 bytes; the last of 1 bit) over every rank;
-   each owner keeps its sums at or above it;
+   exactly on their float32 bit patterns (:mod:`thinwire.compress.selection`): on a
+   tensor's first step by radix selection, six rounds each summing a 64-bin histogram
+   over every rank; after that in two, a 66-bin histogram of a window around last step's
+   threshold and the boundary bin's few values gathered (radix selection again where
+   the k-th has left the window); each owner keeps its sums at or above it;
 3. **back to every rank**: each owner sends what it kept to every rank.
 
 What every rank then holds is the global top-k of the summed sparse gradients (ties at
@@ -17,14 +19,16 @@ the threshold all kept), divided by N, bit for bit what gathering would give at 
 places. An entry a rank sent that was pruned was not applied: it stays in the rank's
 error-feedback memory (only the surviving indices are reported as sent), so nothing is
 lost. Each rank sends about 2k entries and receives about 2k (if the partitions are
-balanced), plus 1.3 KB of histograms (twice that on the ring), whatever N. Six small
-rounds are the price: on a ring all-reduce each waits ``2 (N - 1)`` network delays, on
-the ``direct`` communicator one (for ``N - 1`` copies of the histogram's bytes).
+balanced), plus the histograms (1.5 KB by radix selection, 264 bytes through the window,
+twice that on the ring) and the boundary bin's values, whatever N. The small rounds are
+the price: on a ring all-reduce each waits ``2 (N - 1)`` network delays, on the
+``direct`` communicator one (for ``N - 1`` copies of the histogram's bytes).
 
 The partitions start as equal ranges and are re-balanced every ``rebalance_every`` steps
 so that each holds as many of the last selection's entries (which every rank received
 alike, so all compute the same boundaries). Where the large entries fall changes only
-the bytes, never the result, so the boundaries are not checkpointed.
+the bytes, never the result, so the boundaries are not checkpointed; nor are the last
+thresholds (they change the rounds, never the result).
 """
 
 from __future__ import annotations
@@ -36,12 +40,9 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.base import Request, Slot
+from thinwire.compress.selection import RADIX_ROUNDS, select_threshold
 
-#: (shift, width) of the radix rounds over the 31 bits of a non-negative float32: with
-#: 6-bit digits the image model at density 0.001 sent 3.24x its k entries' bytes at 8
-#: ranks, with 8-bit digits in four rounds 4.52x (bench/sparse_bytes.py, one run each)
-RADIX_ROUNDS = ((25, 6), (19, 6), (13, 6), (7, 6), (1, 6), (0, 1))
-#: the bytes of one rank's histograms per tensor per step (int32 bins)
+#: the bytes of one rank's histograms per tensor per step (int32 bins) by radix selection
 HISTOGRAM_BYTES = sum(4 << width for _, width in RADIX_ROUNDS)
 #: bytes of one sparse entry on the wire: an fp32 value and an int32 index
 ENTRY_BYTES = 8
@@ -66,6 +67,16 @@ class Partitions:
     def __init__(self, rebalance_every: int) -> None:
         self.rebalance_every = rebalance_every
         self._bounds: dict[str, Tensor] = {}
+        self._thresholds: dict[str, int] = {}
+
+    def threshold_hint(self, key: str) -> int:
+        """Last step's threshold of ``key`` (float32 bits; 0: none yet), the centre of
+        this step's window (:mod:`thinwire.compress.selection`)."""
+        return self._thresholds.get(key, 0)
+
+    def remember_threshold(self, key: str, bits: int) -> None:
+        """``key``'s threshold this step, every rank's the same."""
+        self._thresholds[key] = bits
 
     def bounds(self, key: str, numel: int, world: int) -> Tensor:
         """The ``world + 1`` boundaries of ``key``'s partitions (rank r owns
@@ -104,8 +115,11 @@ def partitioned_exchange(
     counts = (cuts[1:] - cuts[:-1]).tolist()
     arrived = yield Request.scatter(counts, values, indices.to(torch.int32))
     sums_at, sums = _sum_arrivals(arrived, flat)
-    threshold = yield from global_threshold(sums.abs().view(torch.int32), k)
-    keep = sums.abs().view(torch.int32) >= threshold
+    bits = sums.abs().view(torch.int32)
+    hint = partitions.threshold_hint(slot.key)
+    threshold = yield from select_threshold(bits, k, world, hint)
+    partitions.remember_threshold(slot.key, threshold)
+    keep = bits >= threshold
     kept_at, kept = sums_at[keep], sums[keep]
     echoed = yield Request.scatter(
         [kept.numel()] * world, kept.repeat(world), kept_at.to(torch.int32).repeat(world)
@@ -126,26 +140,3 @@ def _sum_arrivals(arrived: list[list[Tensor]], flat: Tensor) -> tuple[Tensor, Te
     distinct, where = torch.unique(at, return_inverse=True)
     sums = torch.zeros(distinct.numel(), dtype=flat.dtype, device=flat.device)
     return distinct, sums.index_add_(0, where, values)
-
-
-def global_threshold(bits: Tensor, k: int) -> Generator[Request, Any, int]:
-    """The k-th largest of every rank's ``bits`` (non-negative int32: float32 magnitudes'
-    bit patterns, which order as the magnitudes do), found by radix selection: each round
-    sums one histogram of the next digit among the entries that match the digits chosen
-    so far. 0 where there are at most k entries in all (every one is kept)."""
-    need, prefix = k, 0
-    matching = torch.ones_like(bits, dtype=torch.bool)
-    for round_index, (shift, width) in enumerate(RADIX_ROUNDS):
-        digits = torch.bitwise_and(torch.bitwise_right_shift(bits, shift), (1 << width) - 1)
-        local = torch.bincount(digits[matching].long(), minlength=1 << width)
-        (histogram,) = yield Request.sum(local.to(torch.int32))
-        from_top = histogram.flip(0).long().cumsum(0)
-        if round_index == 0 and int(from_top[-1]) <= need:
-            return 0
-        position = int(torch.searchsorted(from_top, torch.tensor(need)))
-        if position:
-            need -= int(from_top[position - 1])
-        digit = (1 << width) - 1 - position
-        prefix = (prefix << width) | digit
-        matching &= digits == digit
-    return prefix
