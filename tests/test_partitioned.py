@@ -41,6 +41,20 @@ def _exchange(comps: Sequence[TopK], grads: Sequence[Tensor], step: int = 0):
     return drive_ranks(protocols)
 
 
+def _reference_mean(grads: Sequence[Tensor], k: int) -> Tensor:
+    """The single-process reference: sum every rank's own top-k, keep the sum's top-k,
+    divide by the number of ranks (flat)."""
+    summed = torch.zeros(grads[0].numel())
+    for g in grads:
+        flat = g.reshape(-1)
+        top = torch.topk(flat.abs(), k).indices
+        summed.index_add_(0, top, flat[top])
+    chosen = torch.topk(summed.abs(), k).indices
+    expected = torch.zeros_like(summed)
+    expected[chosen] = summed[chosen] / len(grads)
+    return expected
+
+
 @pytest.mark.parametrize("world", [4, 8, 16])
 def test_every_rank_receives_the_global_top_k_of_the_summed_sparse_gradients(world: int):
     grads = _gradients(world, (256, 1024), seed=world)
@@ -49,15 +63,7 @@ def test_every_rank_receives_the_global_top_k_of_the_summed_sparse_gradients(wor
     assert partition_pays(k, world)
     comps = [TopK(density=density, partitioned=True) for _ in range(world)]
     results, _ = _exchange(comps, grads)
-    # the single-process reference: sum every rank's own top-k, keep the sum's top-k
-    summed = torch.zeros(grads[0].numel())
-    for g in grads:
-        flat = g.reshape(-1)
-        top = torch.topk(flat.abs(), k).indices
-        summed.index_add_(0, top, flat[top])
-    chosen = torch.topk(summed.abs(), k).indices
-    expected = torch.zeros_like(summed)
-    expected[chosen] = summed[chosen] / world
+    expected = _reference_mean(grads, k)
     for result in results:
         assert torch.equal(result.mean.reshape(-1), expected)  # every rank, the same bits
     assert int((results[0].mean != 0).sum()) == k
@@ -425,14 +431,7 @@ def test_after_the_first_step_the_exchange_takes_four_rounds_and_stays_exact():
             for r, (c, g) in enumerate(zip(comps, grads, strict=True))
         ]
         results, _ = drive_ranks(protocols)
-        summed = torch.zeros(grads[0].numel())
-        for g in grads:
-            flat = g.reshape(-1)
-            top = torch.topk(flat.abs(), k).indices
-            summed.index_add_(0, top, flat[top])
-        chosen = torch.topk(summed.abs(), k).indices
-        expected = torch.zeros_like(summed)
-        expected[chosen] = summed[chosen] / world
+        expected = _reference_mean(grads, k)
         for result in results:
             assert torch.equal(result.mean.reshape(-1), expected), step
         rounds.append(len(ops))
