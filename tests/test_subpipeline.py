@@ -9,6 +9,8 @@ The multi-rank parity (losses and weights equal the run without sub-batches) is 
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import threading
 import time
 
@@ -84,6 +86,19 @@ def test_sub_batches_run_on_the_same_threads_call_after_call() -> None:
     def subbatch_threads() -> set[int]:
         alive = threading.enumerate()
         return {t.ident for t in alive if t.name.startswith("thinwire-subbatch-")}
+
+    # a forked child starts workers of its own (its parent's threads are not in it)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        signal.alarm(20)  # a child waiting on its parent's workers dies, closing the pipe
+        try:
+            os.write(write, b"ok" if len(set(idents())) == 3 else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 2) == b"ok"
+    os.waitpid(child, 0)
 
     before = subbatch_threads()
     owner = threading.Thread(target=idents)  # its workers go when it ends

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import threading
 import weakref
@@ -228,6 +229,17 @@ def _stop_everyone() -> None:
     """Stop the workers before the interpreter finalises (each waited for at most 5 s:
     one still inside a job at exit, say waiting on a dead peer, is left to the OS)."""
     _stop([(inbox, thread) for thread, inbox in list(_everyone.items())], wait_s=5.0)
+
+
+def _forget_workers_after_fork() -> None:
+    """A forked child has none of its parent's threads: it starts its own workers (jobs
+    put in the parent's inboxes would wait forever)."""
+    global _owned
+    _owned = threading.local()
+    _everyone.clear()
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
 def _workers() -> _Workers:
