@@ -80,28 +80,50 @@ def test_sigterm_to_the_bench_stops_its_workers(tmp_path: Path) -> None:
 
 
 SCRIPT = """
-import time
+import os, sys, time
+from pathlib import Path
 from thinwire.launch import LocalPool
 
-def nap(rank, world_size):
+def nap(rank, world_size, folder):
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
     time.sleep(600)
 
 if __name__ == "__main__":
     pool = LocalPool(2)
-    pool.run(nap, timeout=600)
+    pool.run(nap, sys.argv[1], timeout=600)
 """
+
+#: a module whose exit takes 30 s: preloaded, it holds the forkserver up after its client
+#: died (a server winding down torch on a loaded machine was seen to take over 10 s)
+SLOW_EXIT = "import atexit, time\natexit.register(time.sleep, 30)\n"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
-def test_pool_workers_die_when_their_parent_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("server", ["prompt", "slow-to-exit"])
+def test_pool_workers_die_when_their_parent_is_killed(tmp_path: Path, server: str) -> None:
+    """Killed outright, the pool maker runs no cleanup: its ranks die by the kernel's
+    parent-death signal when their forkserver exits, and by their own watch of the pool
+    maker where the server is slow to exit."""
     script = tmp_path / "pool.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ})
-    workers = _wait_for_workers(proc, 2)
-    time.sleep(2)
+    env = {k: v for k, v in os.environ.items() if k != "THINWIRE_PRELOAD"}  # torch only
+    if server == "slow-to-exit":
+        (tmp_path / "slow_exit.py").write_text(SLOW_EXIT)
+        env["THINWIRE_PRELOAD"] = "slow_exit"
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, "the pool script ended early"
+        time.sleep(0.2)
+    ranks = {int(f.read_text()) for f in tmp_path.glob("rank*.pid")}
+    assert len(ranks) == 2, "the ranks did not start within 60 s"
+    everyone = _descendants(proc.pid)
     proc.kill()  # SIGKILL: no handler, no cleanup in the parent
     proc.wait(timeout=10)
-    assert not _gone_within(workers, 10), "workers outlived their killed parent"
+    assert not _gone_within(ranks, 10), "ranks outlived their killed parent"
+    if server == "prompt":
+        assert not _gone_within(everyone, 10), "the forkserver outlived its client"
 
 
 def test_ranks_that_raise_while_exchanging_exit_with_their_error_not_an_abort(

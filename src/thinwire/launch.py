@@ -28,6 +28,7 @@ import random
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -182,17 +183,33 @@ class Placement:
 def die_with_parent() -> None:
     """Have the kernel kill this process when the process that started it dies (Linux's
     ``PR_SET_PDEATHSIG``), however that dies (even by SIGKILL, which runs no cleanup): a
-    worker must never outlive its pool and train on alone. A no-op elsewhere."""
+    worker must never outlive its pool and train on alone. A thread also watches the
+    process that asked for this one (a forkserver's clients are not the OS parent) and
+    ends this process when it ends. A no-op off Linux."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        # the process that asked for this one (under forkserver not the OS parent, which
-        # is the server; the server exits when its last client dies)
-        parent = multiprocessing.parent_process()
-        if parent is not None and not parent.is_alive():  # it died before we asked
-            os._exit(1)
+    # the process that asked for this one: under forkserver not the OS parent, which is the
+    # server. The server exits when its last client dies, but only after its interpreter
+    # has wound down (torch and what else it preloaded): a loaded machine saw a rank
+    # outlive its killed pool maker by more than 10 s. So also watch the pool maker.
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    if not parent.is_alive():  # it died before we asked
+        os._exit(1)
+    threading.Thread(
+        target=_exit_when_gone, args=(parent,), name="thinwire-parent-watch", daemon=True
+    ).start()
+
+
+def _exit_when_gone(parent: Any) -> None:
+    """Wait for ``parent`` to end (its sentinel closes, whatever killed it); then end this
+    process at once: nothing it still computes has anyone to report to."""
+    parent.join()
+    os._exit(1)
 
 
 def _serve(
