@@ -19,7 +19,7 @@ the threshold all kept), divided by N, bit for bit what gathering would give at 
 places. An entry a rank sent that was pruned was not applied: it stays in the rank's
 error-feedback memory (only the surviving indices are reported as sent), so nothing is
 lost. Each rank sends about 2k entries and receives about 2k (if the partitions are
-balanced), plus the histograms (1.5 KB by radix selection, 264 bytes through the window,
+balanced), plus the histograms (1.3 KB by radix selection, 264 bytes through the window,
 twice that on the ring) and the boundary bin's values, whatever N. The small rounds are
 the price: on a ring all-reduce each waits ``2 (N - 1)`` network delays, on the
 ``direct`` communicator one (for ``N - 1`` copies of the histogram's bytes).

@@ -64,15 +64,15 @@ def radix_threshold(
     """The k-th largest of every rank's ``bits`` by radix selection over the digits of
     ``rounds`` (most significant first), among the values ``matching`` (all by default)
     whose higher bits are ``prefix``. 0 where there are at most k in all (only checked
-    when starting from the top)."""
-    need = k
+    when choosing among all of them)."""
+    need, among_all = k, matching is None
     matching = torch.ones_like(bits, dtype=torch.bool) if matching is None else matching
     for round_index, (shift, width) in enumerate(rounds):
         digits = torch.bitwise_and(torch.bitwise_right_shift(bits, shift), (1 << width) - 1)
         local = torch.bincount(digits[matching].long(), minlength=1 << width)
         (histogram,) = yield Request.sum(local.to(torch.int32))
         from_top = histogram.flip(0).long().cumsum(0)
-        if round_index == 0 and rounds is RADIX_ROUNDS and int(from_top[-1]) <= need:
+        if round_index == 0 and among_all and int(from_top[-1]) <= need:
             return 0
         position = int(torch.searchsorted(from_top, torch.tensor(need)))
         if position:
@@ -105,10 +105,10 @@ def windowed_threshold(
     in_bin = int(from_top[position] - from_top[position - 1])
     prefix = low + WINDOW_BINS - position
     matching = bins == prefix
-    low_bits = torch.bitwise_and(bits[matching], (1 << WINDOW_SHIFT) - 1)
     if in_bin * (world - 1) > BOUNDARY_MAX_RECEIVED:
         return (yield from radix_threshold(bits, need, LOW_ROUNDS, matching, prefix))
     # no rank holds more than the bin's count: each sends that many, padded with -1
+    low_bits = torch.bitwise_and(bits[matching], (1 << WINDOW_SHIFT) - 1)
     padded = torch.full((in_bin,), -1, dtype=torch.int32, device=bits.device)
     padded[: low_bits.numel()] = low_bits
     gathered = yield Request.gather(padded)

@@ -30,10 +30,8 @@ run on CPU ranks (gloo) in this version.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -44,6 +42,8 @@ from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from thinwire.comm.worker import OrderedWorker
 
 _WAIT = "_c10d_functional.wait_tensor.default"
 
@@ -167,68 +167,36 @@ def _run_in_turns(jobs: Sequence[Callable[[], Any]], turns: _Turns) -> list[Any]
     return results
 
 
-_Inbox = queue.SimpleQueue  # of (task, done) pairs, or None to stop
-
-
 class _Workers:
-    """Long-lived threads, one per sub-batch position, that run the sub-batches' jobs call
-    after call. Reused, not started per micro-batch: DTensor caches its sharding decisions
-    per thread (``LocalLRUCache``), so fresh threads worked every operation's sharding out
-    again (a Llama plan 2x2x2 on 8 gloo ranks stepped 7.4x slower in 2 sub-batches than
-    without; 3.2x with the threads kept). The threads stop when the thread that owns them
-    ends (its thread-local data goes, and with it this object) and at interpreter exit,
-    before C++ tears down what they hold (a daemon thread left running there aborted the
-    process in 1 exit of 3)."""
+    """Long-lived threads (:class:`~thinwire.comm.worker.OrderedWorker`), one per sub-batch
+    position, that run the sub-batches' jobs call after call. Reused, not started per
+    micro-batch: DTensor caches its sharding decisions per thread (``LocalLRUCache``), so
+    fresh threads worked every operation's sharding out again (a Llama plan 2x2x2 on 8
+    gloo ranks stepped 7.4x slower in 2 sub-batches than without; 3.2x with the threads
+    kept). They stop when the thread that owns them ends (its thread-local data goes, and
+    with it this object) and, as every ``OrderedWorker``, at interpreter exit, before C++
+    tears down what they hold (a daemon thread left running there aborted the process in
+    1 exit of 4)."""
 
     def __init__(self) -> None:
-        self.workers: list[tuple[_Inbox, threading.Thread]] = []
-        weakref.finalize(self, _stop, self.workers)
+        self.workers: list[OrderedWorker] = []
+        weakref.finalize(self, _close, self.workers)
 
     def run(self, tasks: Sequence[Callable[[], None]]) -> None:
         """Run ``tasks[i]`` on thread ``i``, all at once; return when every one has."""
         while len(self.workers) < len(tasks):
-            inbox: _Inbox = queue.SimpleQueue()
-            name = f"thinwire-subbatch-{len(self.workers)}"
-            thread = threading.Thread(target=_serve, args=(inbox,), name=name, daemon=True)
-            thread.start()
-            self.workers.append((inbox, thread))
-            _everyone[thread] = inbox
-        finished = [threading.Event() for _ in tasks]
-        for (inbox, _), task, done in zip(self.workers, tasks, finished, strict=False):
-            inbox.put((task, done))
-        for done in finished:
-            done.wait()
+            self.workers.append(OrderedWorker(f"thinwire-subbatch-{len(self.workers)}"))
+        done = [worker.submit(task) for worker, task in zip(self.workers, tasks, strict=False)]
+        for future in done:
+            future.wait()  # a task catches its own errors (``_run_in_turns``)
 
 
-def _serve(inbox: _Inbox) -> None:
-    """A worker thread: run what arrives until told to stop (``None``)."""
-    while (item := inbox.get()) is not None:
-        task, done = item
-        try:
-            task()  # catches its errors itself (``_run_in_turns``)
-        finally:
-            done.set()
+def _close(workers: list[OrderedWorker]) -> None:
+    for worker in workers:
+        worker.close(timeout=5.0)
 
 
-def _stop(workers: list[tuple[_Inbox, threading.Thread]], wait_s: float = 0.0) -> None:
-    for inbox, _ in workers:
-        inbox.put(None)
-    for _, thread in workers:
-        if wait_s > 0:
-            thread.join(wait_s)
-        _everyone.pop(thread, None)
-
-
-#: every worker thread not yet told to stop, and its inbox: stopped at interpreter exit
-_everyone: dict[threading.Thread, _Inbox] = {}
 _owned = threading.local()
-
-
-@atexit.register
-def _stop_everyone() -> None:
-    """Stop the workers before the interpreter finalises (each waited for at most 5 s:
-    one still inside a job at exit, say waiting on a dead peer, is left to the OS)."""
-    _stop([(inbox, thread) for thread, inbox in list(_everyone.items())], wait_s=5.0)
 
 
 def _forget_workers_after_fork() -> None:
@@ -236,7 +204,6 @@ def _forget_workers_after_fork() -> None:
     put in the parent's inboxes would wait forever)."""
     global _owned
     _owned = threading.local()
-    _everyone.clear()
 
 
 os.register_at_fork(after_in_child=_forget_workers_after_fork)
