@@ -196,3 +196,19 @@ def test_an_unknown_start_method_is_refused_with_the_ones_there_are(monkeypatch)
     monkeypatch.setenv("THINWIRE_START_METHOD", "fork")
     with pytest.raises(ValueError, match="'spawn' or 'forkserver'"):
         LocalPool(2)
+
+
+def test_a_job_the_ranks_cannot_receive_is_refused_at_once() -> None:
+    """The job queue pickles in a background thread that only prints its error: without the
+    check a local function left every rank waiting until the timeout."""
+    from thinwire.launch import LocalPool
+
+    def local_job(rank: int, world_size: int) -> int:
+        return rank
+
+    with LocalPool(1) as pool:
+        started = time.monotonic()
+        with pytest.raises(TypeError, match="defined at module level"):
+            pool.run(local_job, timeout=60)
+        assert time.monotonic() - started < 10
+        assert pool.run(_environment_probe)[0][1] == 1  # the pool still runs jobs after it

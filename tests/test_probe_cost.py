@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from thinwire.launch import run_local
@@ -24,8 +26,12 @@ def _probe(hosts: int = 2, per_host: int = 4) -> LinkProbe:
             PointToPoint(1e-3, between * per_host, 100e3, per_host),
         ),
         intra_allreduce={2: Fit(1e-4, 8 / 8e9), per_host: Fit(2e-4, 8 / 8e9)},
-        inter_allreduce={1: Fit(2e-3, between), per_host: Fit(2e-3, between * per_host)},
+        inter_allreduce={
+            1: Fit(2e-3, between, overlap=0.8, overlaps=((65536.0, 0.8), (1048576.0, 0.4))),
+            per_host: Fit(2e-3, between * per_host),
+        },
         cpu_slowdown=2.0,
+        collectives_at_once=3,
     )
 
 
@@ -60,6 +66,11 @@ def _probe_on_loopback(rank: int, world: int) -> dict:
         "overlaps": [
             f.overlap for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())
         ],
+        "per_size": [
+            ([b for b, _ in f.overlaps], [b for b, _ in f.samples])
+            for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())
+        ],
+        "at_once": probe.collectives_at_once,
     }
 
 
@@ -73,6 +84,43 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     assert all(beta > 0 for beta in first["betas"])
     assert first["slowdown"] > 0
     assert len(first["overlaps"]) == 3 and all(0.0 <= o <= 1.0 for o in first["overlaps"])
+    # two at once measured at every size the fit measured
+    assert all(sizes == measured and len(sizes) >= 3 for sizes, measured in first["per_size"])
+    assert first["at_once"] == 2  # gloo's worker threads, read from the group
+
+
+def test_the_share_of_latency_hidden_follows_the_size_measured():
+    fit = Fit(1e-3, 1e-8, overlap=0.9, overlaps=((4096.0, 0.8), (65536.0, 0.4), (1048576.0, 0.2)))
+    assert fit.overlap_at(1024) == 0.8  # below the smallest size: the smallest's
+    assert fit.overlap_at(4096) == pytest.approx(0.8)
+    assert fit.overlap_at(16384) == pytest.approx(0.6)  # half-way in the logarithm
+    assert fit.overlap_at(262144) == pytest.approx(0.3)
+    assert fit.overlap_at(1 << 30) == 0.2  # above the largest: the largest's
+    assert Fit(1e-3, 1e-8, overlap=0.7).overlap_at(1 << 20) == 0.7  # an older probe: one share
+
+
+def test_the_tensor_parallel_all_reduce_hides_the_share_measured_at_its_size():
+    fit = Fit(2e-3, 8 / 100e6, overlap=0.8, overlaps=((65536.0, 0.8), (1048576.0, 0.4)))
+    probe = replace(_probe(hosts=4, per_host=1), inter_allreduce={1: fit})
+    links = PlanOnLinks(Degrees(1, 1, 4, 2, "1f1b"), probe)
+    latency = 2 * 3 * fit.alpha_s
+    for nbytes, share in ((65536, 0.8), (1048576, 0.4)):
+        hidden, rest = links.tp_allreduce_parts(nbytes)
+        assert hidden == pytest.approx(share * latency)
+        assert rest == pytest.approx(2 * 3 / 4 * nbytes * fit.beta_s + (1 - share) * latency)
+
+
+def _read_collectives_at_once(rank: int, world: int) -> tuple:
+    import torch.distributed as dist
+
+    from thinwire.plan.probe import gloo_threads, group_collectives_at_once
+
+    return gloo_threads(dist.group.WORLD), group_collectives_at_once(dist.group.WORLD)
+
+
+def test_gloo_groups_run_as_many_collectives_at_once_as_they_have_threads():
+    # read from the live group (not the fallback): PyTorch makes gloo groups with 2 threads
+    assert run_local(_read_collectives_at_once, 1, timeout=60) == [(2, 2)]
 
 
 def test_two_all_reduces_at_once_tell_how_much_latency_they_hide():

@@ -197,6 +197,14 @@ def test_a_pass_in_turns_overlaps_each_all_reduce_with_the_next_sub_batch() -> N
     short = TurnPass((0.1,), (100,), 0.0)
     assert in_turns_s(short, 2, lambda nbytes: (1.0, 0.0)) == pytest.approx(1.2)
     assert in_turns_s(short, 2, on_the_wire) == pytest.approx(2.1)
+    # a group runs at most at_once collectives: the third sub-batch's waits for the first's
+    latency_only = lambda nbytes: (1.0, 0.0)  # noqa: E731
+    assert in_turns_s(short, 4, latency_only) == pytest.approx(1.4)
+    assert in_turns_s(short, 4, latency_only, at_once=2) == pytest.approx(2.2)
+    assert in_turns_s(short, 4, latency_only, at_once=1) == pytest.approx(4.1)
+    assert in_turns_s(short, 2, latency_only, at_once=2) == pytest.approx(1.2)  # no wait
+    with pytest.raises(ValueError, match="at least one collective"):
+        in_turns_s(short, 2, latency_only, at_once=0)
     joined = join_passes([TurnPass((1.0,), (8,), 0.25), TurnPass((), (), 0.5), one])
     assert joined == TurnPass((1.0, 1.75), (8, 100), 0.0)
 

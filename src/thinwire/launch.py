@@ -23,6 +23,7 @@ import ctypes
 import datetime
 import multiprocessing
 import os
+import pickle
 import queue
 import random
 import signal
@@ -34,6 +35,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import forkserver
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -313,6 +315,7 @@ class LocalPool:
         update a progress display)."""
         if self.closed:
             raise RuntimeError("this LocalPool was shut down (after a failure); make a new one")
+        _check_sendable(fn, args)
         for jobs in self._jobs:
             jobs.put((fn, args))
         collected: dict[int, Any] = {}
@@ -367,6 +370,21 @@ class LocalPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close(force=exc[0] is not None)
+
+
+def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Refuse, here and now, a job the ranks cannot receive: the job queue pickles in a
+    background thread that only prints its error, and the ranks would wait for the job
+    until the timeout."""
+    try:
+        ForkingPickler.dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"{name} or its arguments cannot be sent to the ranks ({error}): pass a function "
+            "defined at module level (not a lambda or a function inside another) and "
+            "arguments that pickle"
+        ) from error
 
 
 def run_local(

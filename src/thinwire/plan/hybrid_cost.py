@@ -98,11 +98,12 @@ class StageCost:
         )
 
     def pass_times(
-        self, allreduce: Callable[[int], tuple[float, float]]
+        self, allreduce: Callable[[int], tuple[float, float]], at_once: int | None = None
     ) -> tuple[float, float, float]:
         """One micro-batch's forward, backward and recomputation, all-reduces included
         (one of ``b`` bytes takes ``sum(allreduce(b))``: its latency and its time on the
-        wire): one after another, or with sub-batches overlapping them in turns."""
+        wire): one after another, or with sub-batches overlapping them in turns, at most
+        ``at_once`` in flight (the group's limit; ``None``: none)."""
 
         def allreduce_s(nbytes: int) -> float:
             return sum(allreduce(nbytes))
@@ -114,7 +115,7 @@ class StageCost:
                 self.recompute_s + sum(map(allreduce_s, self.recompute_allreduces)),
             )
         forward, backward, recompute = (
-            in_turns_s(one, self.subbatches, allreduce) for one in self.turns
+            in_turns_s(one, self.subbatches, allreduce, at_once) for one in self.turns
         )
         loss = sum(map(allreduce_s, self.loss_allreduces))
         return forward, backward + loss, recompute if self.recompute_s else 0.0
@@ -270,7 +271,8 @@ class PlanOnLinks:
 
     def tp_allreduce_parts(self, nbytes: int) -> tuple[float, float]:
         """:meth:`tp_allreduce_s` in two parts: what all-reduces in flight together
-        overlap (the share of the ring's latency the probe saw hidden, ``Fit.overlap``),
+        overlap (the share of the ring's latency the probe saw hidden at that size,
+        :meth:`~thinwire.plan.probe.Fit.overlap_at`),
         and what they take one after another (their bytes on the wire, the rest)."""
         tp = self.degrees.tp
         if tp == 1 or nbytes == 0:
@@ -282,7 +284,8 @@ class PlanOnLinks:
             fit = shared_fit(self.probe.inter_allreduce, self.probe.ranks_per_host)
         latency = 2 * (tp - 1) * fit.alpha_s
         wire = 2 * (tp - 1) / tp * nbytes * fit.beta_s
-        return fit.overlap * latency, wire + (1 - fit.overlap) * latency
+        hidden = fit.overlap_at(nbytes)
+        return hidden * latency, wire + (1 - hidden) * latency
 
     def replicas(self) -> list[tuple[int, int]]:
         """The pipelines side by side: one per (data-parallel, tensor-parallel) index."""
@@ -364,7 +367,10 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     if len(stages) != degrees.pp:
         raise ValueError(f"pp={degrees.pp} needs a cost per stage, got {len(stages)}")
     links = PlanOnLinks(degrees, probe)
-    times = [StageTimes(*s.pass_times(links.tp_allreduce_parts)) for s in stages]
+    times = [
+        StageTimes(*s.pass_times(links.tp_allreduce_parts, links.probe.collectives_at_once))
+        for s in stages
+    ]
     # the all-reduces' time the passes wait for (sub-batches hide some of it)
     tensor = [
         t.forward_s + t.backward_s - s.forward_s - s.backward_s

@@ -17,6 +17,10 @@ transfer takes long enough to time:
   a host's groups at once, as tensor parallelism runs them), and **between hosts** (one
   rank per host; alone, and all local ranks' groups at once): ``2 (n - 1)`` ring steps of
   ``alpha`` and ``2 (n - 1) / n * S * beta``, fitted the same way.
+* **all-reduces side by side**: at every size, two issued at once on the same group, and
+  the share of one's latency the second hides (:attr:`Fit.overlaps`); and how many
+  collectives a group runs at once (gloo: its worker threads, two by default), which
+  sub-batches' all-reduces queue behind.
 * **the CPU's sharing**: one optimizer-sized job on one rank alone, then on every rank at
   once. On GPUs the optimizer runs on the accelerator; on a host whose ranks share cores
   (the emulated cluster) its CPU work slows by this factor.
@@ -27,7 +31,9 @@ transfer takes long enough to time:
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +41,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: collectives a gloo process group runs at once: one per worker thread, two unless its
+#: options say otherwise (PyTorch's default; probes from before thinwire read it assume it)
+GLOO_THREADS = 2
 #: message sizes start here and grow fourfold until a transfer takes ``target_s``
 FIRST_BYTES = 64 * 1024
 LARGEST_BYTES = 64 * 1024 * 1024
@@ -50,8 +59,26 @@ class Fit:
     """(bytes, median seconds) per size measured."""
     overlap: float = 0.0
     """The share of an all-reduce's latency (``steps * alpha_s``) hidden when a second
-    runs beside it on the group (two issued at once, measured); ``0``: none, as for a
-    probe from before thinwire measured it."""
+    runs beside it on the group (two issued at once, measured at the two smallest sizes,
+    where latency dominates); ``0``: none, as for a probe from before thinwire measured it."""
+    overlaps: tuple[tuple[float, float], ...] = ()
+    """(bytes, share hidden) with two issued at once, at each size measured: how much
+    overlaps changes with the size (TCP's windows fill differently); empty in a probe from
+    before thinwire measured it per size (:attr:`overlap` is used for every size then)."""
+
+    def overlap_at(self, nbytes: float) -> float:
+        """The share of latency hidden at ``nbytes``: between the two sizes measured on
+        either side (linear in the size's logarithm), the nearest one's outside them."""
+        if not self.overlaps:
+            return self.overlap
+        points = sorted(self.overlaps)
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (low, low_share), (high, high_share) in itertools.pairwise(points):
+            if nbytes <= high:
+                along = math.log(nbytes / low) / math.log(high / low)
+                return low_share + along * (high_share - low_share)
+        return points[-1][1]
 
     @property
     def bandwidth_bps(self) -> float:
@@ -86,6 +113,10 @@ class LinkProbe:
     cpu_slowdown: float
     """A CPU job on every rank at once, over the same job alone."""
     notes: dict[str, Any] = field(default_factory=dict)
+    collectives_at_once: int = GLOO_THREADS
+    """How many collectives one process group runs at the same time (gloo: its worker
+    threads, read from the groups the probe made; NCCL: one, its stream); more issued
+    together wait their turn."""
 
     def save(self, path: str | Path) -> Path:
         """Write the probe as JSON."""
@@ -106,6 +137,7 @@ class LinkProbe:
                 inter_allreduce={int(k): _fit(v) for k, v in raw["inter_allreduce"].items()},
                 cpu_slowdown=float(raw["cpu_slowdown"]),
                 notes=dict(raw.get("notes", {})),
+                collectives_at_once=int(raw.get("collectives_at_once", GLOO_THREADS)),
             )
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(
@@ -120,6 +152,7 @@ def _fit(raw: dict[str, Any]) -> Fit:
         float(raw["beta_s"]),
         _pairs(raw.get("samples", ())),
         float(raw.get("overlap", 0.0)),
+        _pairs(raw.get("overlaps", ())),
     )
 
 
@@ -198,7 +231,31 @@ def run_probe(ranks_per_host: int, target_s: float = 0.25, repeats: int = 3) -> 
         inter_allreduce=inter,
         cpu_slowdown=_probe_cpu(rank, repeats),
         notes={"target_s": target_s, "repeats": repeats, "backend": dist.get_backend()},
+        collectives_at_once=group_collectives_at_once(dist.group.WORLD),
     )
+
+
+def group_collectives_at_once(group: Any) -> int:
+    """How many collectives ``group`` runs at once: a gloo group one per worker thread
+    (PyTorch's default when its options cannot be read), any other backend one (NCCL
+    runs a group's collectives on one stream)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        return 1
+    threads = gloo_threads(group)
+    return GLOO_THREADS if threads is None else threads
+
+
+def gloo_threads(group: Any) -> int | None:
+    """The worker threads of gloo group ``group``, read through PyTorch's private
+    accessors (``None`` where they are not there)."""
+    import torch
+
+    try:
+        return int(group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
 
 
 def _sizes(measure: Callable[[int], float], target_s: float) -> list[tuple[float, float]]:
@@ -306,13 +363,14 @@ def _probe_allreduce(
     samples = _sizes(measure, target_s)
     steps = 2 * (size - 1)
     alpha_total, beta = fit_line([(2 * (size - 1) / size * b, s) for b, s in samples])
-    overlaps = [  # at the latency-bound sizes
-        latency_overlap(measure_two(int(b)), 2 * (size - 1) / size * b * beta, alpha_total)
-        for b, _ in samples[:2]
-    ]
+    overlaps = tuple(
+        (b, latency_overlap(measure_two(int(b)), 2 * (size - 1) / size * b * beta, alpha_total))
+        for b, _ in samples
+    )
     for handle in handles:
         dist.destroy_process_group(handle)
-    return Fit(alpha_total / steps, beta, tuple(samples), statistics.mean(overlaps))
+    latency_bound = statistics.mean(share for _, share in overlaps[:2])
+    return Fit(alpha_total / steps, beta, tuple(samples), latency_bound, overlaps)
 
 
 def latency_overlap(both_s: float, wire_s: float, latency_s: float) -> float:

@@ -208,7 +208,9 @@ def _part_costs(
             shape.tp, mb, shape.dp, shape.method, blocks, first=first, last=last,
             subbatches=shape.subbatches,
         )  # fmt: skip
-        forward, backward, _ = stage.pass_times(links.tp_allreduce_parts)
+        forward, backward, _ = stage.pass_times(
+            links.tp_allreduce_parts, links.probe.collectives_at_once
+        )
         return PartCost(forward + backward, stage.memory(0)["total"], stage.saved_bytes)
 
     first = part(range(0), first=True)

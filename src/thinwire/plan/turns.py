@@ -7,7 +7,10 @@ and hands the processor to the next sub-batch in a fixed round; it computes agai
 its turn comes round and its all-reduce has finished. One processor computes at a time;
 the wire carries one all-reduce's bytes at a time (those issued earlier first), while
 all-reduces in flight together overlap the share of their latency ``thinwire probe``
-measured hidden with two at once (:attr:`thinwire.plan.probe.Fit.overlap`).
+measured hidden with two at once (:meth:`thinwire.plan.probe.Fit.overlap_at`). A process
+group runs only so many collectives at once (gloo: one per worker thread, two by default;
+:attr:`thinwire.plan.probe.LinkProbe.collectives_at_once`): the others wait, in the order
+they were issued, for one of those to end.
 """
 
 from __future__ import annotations
@@ -61,19 +64,30 @@ def join_passes(passes: Sequence[TurnPass]) -> TurnPass:
     return joined
 
 
-def in_turns_s(one: TurnPass, parts: int, allreduce: Callable[[int], tuple[float, float]]) -> float:
+def in_turns_s(
+    one: TurnPass,
+    parts: int,
+    allreduce: Callable[[int], tuple[float, float]],
+    at_once: int | None = None,
+) -> float:
     """Seconds ``parts`` sub-batches take through ``one`` (each sub-batch's pass) in
     turns; ``allreduce(b)``: an all-reduce of ``b`` bytes' latency and time on the wire.
     All-reduces in flight together share the wire (one's bytes after the other's) but
-    not their latencies."""
+    not their latencies; at most ``at_once`` are in flight (``None``: no limit), a later
+    one starting when the earliest of them ends."""
+    if at_once is not None and at_once < 1:
+        raise ValueError(f"at least one collective must run at a time, got at_once={at_once}")
     clock, wire_free = 0.0, 0.0
     done = [0.0] * parts
+    threads = [0.0] * (at_once or parts)  # when each of the group's runners is free
     for gap, size in zip(one.gaps_s, one.allreduces, strict=True):
         latency, wire = allreduce(size)
         for part in range(parts):
             clock = max(clock, done[part]) + gap
-            wire_free = max(clock, wire_free) + wire
-            done[part] = max(wire_free, clock + latency + wire)
+            runner = min(range(len(threads)), key=threads.__getitem__)
+            start = max(clock, threads[runner])
+            wire_free = max(start, wire_free) + wire
+            done[part] = threads[runner] = max(wire_free, start + latency + wire)
     for part in range(parts):
         clock = max(clock, done[part]) + one.tail_s
     return clock
