@@ -205,6 +205,13 @@ def test_a_pass_in_turns_overlaps_each_all_reduce_with_the_next_sub_batch() -> N
     assert in_turns_s(short, 2, latency_only, at_once=2) == pytest.approx(1.2)  # no wait
     with pytest.raises(ValueError, match="at least one collective"):
         in_turns_s(short, 2, latency_only, at_once=0)
+    # two issued at once take what the probe measured when it calibrated the share hidden:
+    # 2 x bytes + (2 - share) x latency (here bytes 0.25, latency 1, half of it hidden)
+    together = TurnPass((0.0,), (100,), 0.0)
+    share, latency, wire = 0.5, 1.0, 0.25
+    parts = lambda nbytes: (share * latency, wire + (1 - share) * latency)  # noqa: E731
+    assert in_turns_s(together, 2, parts) == pytest.approx(2 * wire + (2 - share) * latency)
+    assert in_turns_s(together, 1, parts) == pytest.approx(wire + latency)  # alone: all of it
     joined = join_passes([TurnPass((1.0,), (8,), 0.25), TurnPass((), (), 0.5), one])
     assert joined == TurnPass((1.0, 1.75), (8, 100), 0.0)
 

@@ -5,9 +5,8 @@ and a pass of ``n`` sub-batches taking turns lasts what :func:`in_turns_s` says.
 The turns: each sub-batch computes up to its next tensor-parallel all-reduce, issues it
 and hands the processor to the next sub-batch in a fixed round; it computes again when
 its turn comes round and its all-reduce has finished. One processor computes at a time;
-the wire carries one all-reduce's bytes at a time (those issued earlier first), while
-all-reduces in flight together overlap the share of their latency ``thinwire probe``
-measured hidden with two at once (:meth:`thinwire.plan.probe.Fit.overlap_at`). A process
+the all-reduces in flight share the link and hide the share of each other's latency
+``thinwire probe`` measured with two at once (:mod:`thinwire.plan.inflight`); a process
 group runs only so many collectives at once (gloo: one per worker thread, two by default;
 :attr:`thinwire.plan.probe.LinkProbe.collectives_at_once`): the others wait, in the order
 they were issued, for one of those to end.
@@ -18,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from thinwire.plan.inflight import InFlight
 
 
 @dataclass(frozen=True)
@@ -71,25 +72,26 @@ def in_turns_s(
     at_once: int | None = None,
 ) -> float:
     """Seconds ``parts`` sub-batches take through ``one`` (each sub-batch's pass) in
-    turns; ``allreduce(b)``: an all-reduce of ``b`` bytes' latency and time on the wire.
-    All-reduces in flight together share the wire (one's bytes after the other's) but
-    not their latencies; at most ``at_once`` are in flight (``None``: no limit), a later
-    one starting when the earliest of them ends."""
-    if at_once is not None and at_once < 1:
-        raise ValueError(f"at least one collective must run at a time, got at_once={at_once}")
-    clock, wire_free = 0.0, 0.0
-    done = [0.0] * parts
-    threads = [0.0] * (at_once or parts)  # when each of the group's runners is free
+    turns; ``allreduce(b)``: an all-reduce of ``b`` bytes' latency that another in flight
+    hides, and the rest (its bytes on the wire and its latency that none hides). The
+    all-reduces in flight share the link as :class:`~thinwire.plan.inflight.InFlight`
+    says, at most ``at_once`` at a time (``None``: no limit)."""
+    group = InFlight(at_once)
+    clock = 0.0
+    pending: list[int | None] = [None] * parts
     for gap, size in zip(one.gaps_s, one.allreduces, strict=True):
-        latency, wire = allreduce(size)
+        hidden, rest = allreduce(size)
         for part in range(parts):
-            clock = max(clock, done[part]) + gap
-            runner = min(range(len(threads)), key=threads.__getitem__)
-            start = max(clock, threads[runner])
-            wire_free = max(start, wire_free) + wire
-            done[part] = threads[runner] = max(wire_free, start + latency + wire)
+            waited = pending[part]
+            if waited is not None:
+                clock = max(clock, group.end(waited))
+            clock += gap
+            pending[part] = group.issue(clock, rest, hidden)
     for part in range(parts):
-        clock = max(clock, done[part]) + one.tail_s
+        waited = pending[part]
+        if waited is not None:
+            clock = max(clock, group.end(waited))
+        clock += one.tail_s
     return clock
 
 
