@@ -115,7 +115,8 @@ class DelayedAveraging:
         group: the process group; default: the global one. The exchanges run on a new
             process group of the same ranks, so the program's own collectives on
             ``group`` between steps (a logged loss) cannot meet them.
-        broadcast_parameters: copy rank 0's parameters to every rank at construction.
+        broadcast_parameters: copy rank 0's parameters to every rank at construction (the
+            ranks compare digests first; only tensors that differ somewhere travel).
         **options: compressor options when ``compressor`` is a name.
     """
 

@@ -40,6 +40,7 @@ from thinwire.comm.agreement import digest, value_ranges
 from thinwire.comm.collectives import Communicator, run_collective
 from thinwire.comm.engine import GradientExchange, StepStats
 from thinwire.comm.gradients import is_dtensor
+from thinwire.comm.replicas import broadcast_where_different
 from thinwire.compress.base import Compressor, check_flag, is_integer, is_real
 from thinwire.data_parallel.optimizer import (
     DistributedOptimizer,
@@ -151,10 +152,7 @@ class DiLoCo:
         self._buffers = _floating_buffers(model)
         if broadcast_parameters:
             root = dist.get_global_rank(group, 0) if group else 0
-            for name, b in self._buffers:
-                run_collective(
-                    f"the broadcast of {name!r}", dist.broadcast, b, src=root, group=group
-                )
+            broadcast_where_different(self._buffers, root, group)
         self._agree(optimizer)
         self.inner_steps = 0
         self._in_flight: collections.deque[InFlight] = collections.deque()

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.comm.collectives import Communicator, run_collective, sibling_group
+from thinwire.comm.collectives import Communicator, sibling_group
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.gradients import gradient_of
+from thinwire.comm.replicas import broadcast_where_different
 from thinwire.compress.base import Compressor, Memory, check_flag, is_real
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.data_parallel.parameters import split_parameters
@@ -54,7 +55,8 @@ class DistributedOptimizer:
         fuse_rounds: send each bucket's later rounds in the collectives of the next
             bucket's first (``False``: each bucket's rounds alone).
         group: the process group; default: the global one.
-        broadcast_parameters: copy rank 0's parameters to every rank at construction.
+        broadcast_parameters: copy rank 0's parameters to every rank at construction (the
+            ranks compare digests first; only tensors that differ somewhere travel).
         own_group: run the exchange on a new process group of ``group``'s ranks (for
             exchanges that run in the background while the program issues collectives of
             its own, as :class:`~thinwire.DelayedAveraging`'s do).
@@ -95,13 +97,9 @@ class DistributedOptimizer:
             built, communicator=communicator, memory=memory, group=exchange_group
         )
         self.engine.verify(self.parameters)
-        if broadcast_parameters:
+        if broadcast_parameters:  # rank 0's weights everywhere, sending only what differs
             root = dist.get_global_rank(group, 0) if group else 0
-            with torch.no_grad():
-                for name, p in self.parameters:
-                    run_collective(
-                        f"the broadcast of {name!r}", dist.broadcast, p.data, src=root, group=group
-                    )
+            broadcast_where_different([(n, p.data) for n, p in self.parameters], root, group)
         self.buckets = _buckets(self.parameters, int(bucket_cap_mb * 2**20))
         self.fuse_rounds = fuse_rounds
 
