@@ -69,6 +69,7 @@ class InFlight:
     def _advance(self, until: float, stop: int | None = None) -> bool:
         """Run the group to ``until`` (or until ``stop`` ends); False if nothing was left
         to run."""
+        until = max(until, self.now)
         while True:
             sharing = len(self._sharing)
             next_share = self.now + min(self._sharing.values()) * sharing if sharing else math.inf
