@@ -115,8 +115,8 @@ class LinkProbe:
     notes: dict[str, Any] = field(default_factory=dict)
     collectives_at_once: int = GLOO_THREADS
     """How many collectives one process group runs at the same time (gloo: its worker
-    threads, read from the groups the probe made; NCCL: one, its stream); more issued
-    together wait their turn."""
+    threads, read from the default group; PyTorch makes every gloo group alike; NCCL: one,
+    its stream); more issued together wait their turn."""
 
     def save(self, path: str | Path) -> Path:
         """Write the probe as JSON."""
