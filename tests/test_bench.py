@@ -16,8 +16,9 @@ import pytest
 from rich.console import Console
 
 from thinwire.bench import runner
+from thinwire.bench.link_probe import MODEL_PROBE_MAX_S, probe_numels, split_link_time
 from thinwire.bench.methods import parse_methods
-from thinwire.bench.runner import BenchConfig, run_bench, split_link_time
+from thinwire.bench.runner import BenchConfig, run_bench
 from thinwire.bench.sleeping import Stage
 from thinwire.cluster import EmulatedCluster, check_can_emulate, list_namespaces
 from thinwire.cluster.private import check_private_loopback
@@ -499,6 +500,17 @@ def test_a_short_emulated_run_counts_real_wire_bytes(
     assert built  # the run's clusters (one per method) are gone again
     assert not {h.namespace for c in built for h in c.hosts} & set(list_namespaces())
     assert (tmp_path / "results.json").exists()
+
+
+def test_the_model_probe_is_capped_on_slow_links() -> None:
+    share = 1.5  # four ranks' ring: each link carries 1.5 times the payload
+    # 2.8 M parameters at 1 gbit/s: the model's own all-reduce (0.13 s of link time)
+    model, small, big = probe_numels(2_800_000, share, 1e9)
+    assert model == 2_800_000 and small < big
+    # at 100 kbit/s it would take 1,344 s; the probe stops at MODEL_PROBE_MAX_S of link
+    capped, *_ = probe_numels(2_800_000, share, 1e5)
+    assert capped * 4 * share * 8 / 1e5 == pytest.approx(MODEL_PROBE_MAX_S, rel=1e-3)
+    assert probe_numels(2_800_000, share, None) == [2_800_000]  # unlimited: no fit either
 
 
 def test_split_link_time_recovers_bandwidth_and_fixed_cost() -> None:

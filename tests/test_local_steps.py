@@ -198,6 +198,31 @@ def _fragments(rank: int, world: int) -> dict:
     }
 
 
+def _round_end_order(rank: int, world: int) -> list[tuple[int, str]]:
+    """What the round's last step does, in order (overlap on): the buffers' blocking
+    average must not queue behind the fragment that starts at that step."""
+    model = _model(batch_norm=True)
+    opt = thinwire.LocalSGD(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, sync_every=4, fragments=2, overlap=1
+    )
+    calls: list[tuple[int, str]] = []
+    average, start = opt._average_buffers, opt._start
+
+    def logged_average() -> None:
+        calls.append((opt.inner_steps, "buffers"))
+        average()
+
+    def logged_start(index: int, overlap: int) -> None:
+        calls.append((opt.inner_steps, f"fragment {index}"))
+        start(index, overlap)
+
+    opt._average_buffers, opt._start = logged_average, logged_start  # type: ignore[method-assign]
+    for step in range(4):
+        _train_step(model, opt, rank, step)
+    opt.flush()
+    return calls
+
+
 def _overlap_keeps_progress(rank: int, world: int) -> dict:
     """LocalSGD, overlap 1: the weights after an arrival are the average of the weights
     sent plus this rank's step since."""
@@ -304,6 +329,12 @@ def test_fragments_synchronise_at_their_own_steps(pool2) -> None:
         ]
         assert result["buffer_spread"] == 0.0  # batch-norm statistics averaged at round end
     assert results[0]["first"] == results[1]["first"]
+
+
+def test_the_round_averages_buffers_before_its_last_fragment_starts(pool2) -> None:
+    for calls in pool2.run(_round_end_order):
+        # fragment 0 at step 2; at step 4 the buffers, then fragment 1 (offset 0)
+        assert calls[:3] == [(2, "fragment 0"), (4, "buffers"), (4, "fragment 1")]
 
 
 def test_overlap_adds_the_progress_made_while_the_exchange_ran(pool2) -> None:

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from thinwire.bench.faults import FaultSchedule, ScheduledFault
+from thinwire.bench.link_probe import measure_link
 from thinwire.bench.methods import Method
 from thinwire.bench.ratios import add_ratios, throughput_step_s
 from thinwire.bench.repeats import by_repeat, check_repeats, repeat_label, repeat_order
@@ -42,7 +43,6 @@ from thinwire.bench.worker import (
     BenchJob,
     check_lr_schedule,
     measure_stages,
-    probe_allreduce,
     read_progress,
     train_method,
 )
@@ -140,12 +140,6 @@ class BenchConfig:
         return min(max([1, *warmups, self.steps // 5]), self.steps - 1)
 
 
-#: seconds of link time of the two all-reduces that separate bandwidth from fixed cost
-LINK_PROBE_S = (0.5, 2.5)
-#: ... but neither probe is larger than this many elements (128 MB per rank)
-LINK_PROBE_MAX_NUMEL = 32 * 1024 * 1024
-
-
 def run_bench(config: BenchConfig, out: Path, console: Console | None = None) -> list[dict]:
     """Run every method of ``config`` (the whole list ``config.repeats`` times, in
     alternating order: :mod:`thinwire.bench.repeats`), write ``out/results.json`` and
@@ -161,7 +155,7 @@ def run_bench(config: BenchConfig, out: Path, console: Console | None = None) ->
         with LocalPool(config.workers, collective_timeout_s=600, placement=placement) as pool:
             pool.run(_ready, timeout=300)
             if config.network == "emulated" and config.workers > 1:
-                describe.update(_measure_link(pool, config, console, describe["bandwidth_bps"]))
+                describe.update(measure_link(pool, config, console, describe["bandwidth_bps"]))
             stages = _measure_stages(pool, config, console) if config.compute == "sleep" else None
             if stages is not None:
                 describe["slept_forward_s"] = sum(s.forward_s for s in stages)
@@ -276,62 +270,6 @@ def _measure_stages(pool: LocalPool, config: BenchConfig, console: Console) -> l
         f"forward and {backward:.3f} s backward a step (timings only: the losses mean nothing)"
     )
     return stages
-
-
-def _measure_link(
-    pool: LocalPool, config: BenchConfig, console: Console, rate_bps: float | None
-) -> dict[str, Any]:
-    """Time dense all-reduces on the links: one of the model's size (the bandwidth the ring
-    delivers to this model, latency included), and two that keep each link busy for about
-    ``LINK_PROBE_S`` seconds (at most ``LINK_PROBE_MAX_NUMEL`` elements), whose difference
-    is the link's bandwidth with the fixed cost of an all-reduce (its ring steps' latency)
-    taken out."""
-    from thinwire.tasks import task as build_task
-
-    model = build_task(config.task, **config.task_options).build_model()
-    numel = sum(p.numel() for p in model.parameters())
-    share = 2 * (config.workers - 1) / config.workers  # of the payload each link carries
-    fit = [  # no rate (an unlimited cluster): nothing to aim the fit at, so no fit
-        min(max(int(rate_bps / 8 * seconds / share / 4), 1024), LINK_PROBE_MAX_NUMEL)
-        for seconds in (LINK_PROBE_S if rate_bps else ())
-    ]
-    with console.status(f"measuring the links: all-reduces of {numel * 4 / 1e6:.1f} MB and more"):
-        per_rank = pool.run(probe_allreduce, (numel, *fit), timeout=config.timeout_s)
-    model_s, *fit_s = (max(times[i] for times in per_rank) for i in range(1 + len(fit)))
-    delivered = share * numel * 4 * 8 / model_s
-    link, fixed = (
-        split_link_time(share * fit[0] * 4, fit_s[0], share * fit[1] * 4, fit_s[1])
-        if fit
-        else (None, None)
-    )
-    line = (
-        f"all-reduce of {numel * 4 / 1e6:.1f} MB: {model_s:.3f} s, "
-        f"{delivered / 1e6:.1f} Mbit/s per link delivered"
-    )
-    if link and fixed is not None:
-        line += f"; the link: {link / 1e6:.1f} Mbit/s plus {fixed * 1e3:.1f} ms per all-reduce"
-    console.print(line)
-    return {
-        "allreduce_probe_bytes": numel * 4,
-        "allreduce_probe_s": model_s,
-        "allreduce_bandwidth_bps": delivered,
-        "allreduce_fit_bytes": [n * 4 for n in fit],
-        "allreduce_fit_s": fit_s,
-        "allreduce_link_bps": link,
-        "allreduce_fixed_s": fixed,
-    }
-
-
-def split_link_time(
-    small_bytes: float, small_s: float, big_bytes: float, big_s: float
-) -> tuple[float | None, float | None]:
-    """Fit ``seconds = fixed + bytes * 8 / bandwidth`` through two transfers (the bytes
-    each link carries): ``(bandwidth_bps, fixed_s)``, or ``(None, None)`` when the bigger
-    transfer was not slower (the measurement cannot separate the two)."""
-    if not big_bytes > small_bytes or not big_s > small_s:
-        return None, None
-    bandwidth = (big_bytes - small_bytes) * 8 / (big_s - small_s)
-    return bandwidth, small_s - small_bytes * 8 / bandwidth
 
 
 #: what a run's network gives it: the ranks' placement, the interface, its description, a
