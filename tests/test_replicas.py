@@ -61,6 +61,65 @@ def test_the_wrapper_starts_every_rank_from_rank_0s_weights(pool) -> None:
     assert first == [v for p in torch.nn.Linear(3, 2).parameters() for v in p.flatten().tolist()]
 
 
+def _ddp_start(rank: int, world: int, seed_by_rank: bool) -> tuple[list[str], list[float], dict]:
+    from thinwire.strategies import base
+
+    copies: list[list[str]] = []
+    built: dict = {}
+    copy, ddp_class = base.copy_module_states, base.DistributedDataParallel
+
+    def recorded_copy(*args, **kwargs):
+        copies.append(copy(*args, **kwargs))
+        return copies[-1]
+
+    def recorded_ddp(module, **kwargs):
+        built.update(kwargs)
+        return ddp_class(module, **kwargs)
+
+    base.copy_module_states, base.DistributedDataParallel = recorded_copy, recorded_ddp
+    try:
+        torch.manual_seed(rank if seed_by_rank else 0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        if seed_by_rank:
+            model[1].running_mean.fill_(float(rank))
+        ddp = base.WrapSetup().ddp(model)
+    finally:
+        base.copy_module_states, base.DistributedDataParallel = copy, ddp_class
+    values = [v for t in ddp.module.state_dict().values() for v in t.flatten().tolist()]
+    return copies[0], values, {"init_sync": built.get("init_sync")}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed_by_rank", [False, True])
+def test_ddp_starts_from_rank_0s_model_sending_only_what_differs(pool, seed_by_rank) -> None:
+    (sent0, values0, built0), (sent1, values1, built1) = pool.run(
+        _ddp_start, seed_by_rank, timeout=90
+    )
+    assert values0 == values1
+    assert built0 == built1 == {"init_sync": False}  # DDP's whole-model copy skipped
+    expected = ["0.weight", "0.bias", "1.running_mean"] if seed_by_rank else []
+    assert sent0 == sent1 == expected  # BatchNorm's own weights start equal on every rank
+
+
+def _mismatched_layout(rank: int, world: int) -> str:
+    from thinwire.errors import RankMismatchError
+    from thinwire.strategies.base import WrapSetup
+
+    model = torch.nn.Linear(3, 2 + rank)
+    try:
+        WrapSetup().ddp(model)
+    except RankMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_ddp_refuses_models_of_another_shape_on_every_rank(pool) -> None:
+    for message in pool.run(_mismatched_layout, timeout=90):
+        assert "differ in their parameters or buffers" in message
+        assert "build the same model on every rank" in message
+
+
 def test_a_digest_tells_values_and_dtypes_apart() -> None:
     zeros = torch.zeros(4)
     assert tensor_digest(zeros) == tensor_digest(torch.zeros(4))

@@ -22,8 +22,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.engine import GradientExchange
+from thinwire.comm.replicas import copy_module_states
 from thinwire.compress.base import Compressor
 from thinwire.data_parallel.buckets import BucketSpec, ddp_bucket_options
+
+#: DDP's ``init_sync`` (torch 2.4 on): False skips its copy of rank 0's model at build time
+_DDP_TAKES_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 #: the measurements :mod:`thinwire.plan` knows (:attr:`Strategy.costing`)
 COSTINGS = (
@@ -75,10 +79,15 @@ class WrapSetup:
 
     def ddp(self, model: nn.Module, **extra: Any) -> DistributedDataParallel:
         """``model`` under DDP with this setup's buckets and buffer option (``extra``
-        overrides them)."""
+        overrides them). Rank 0's parameters and buffers are copied to the other ranks only
+        where they differ (:func:`~thinwire.comm.replicas.copy_module_states`), not whole
+        as DDP's own start would."""
         options = {**buffer_sync_options(self.broadcast_buffers)}
         if "bucket_cap_mb" not in extra:
             options.update(ddp_bucket_options(self.bucket_cap_mb, model))
+        if _DDP_TAKES_INIT_SYNC and "init_sync" not in extra:
+            copy_module_states(model, extra.get("process_group"))  # only what differs
+            options["init_sync"] = False
         return DistributedDataParallel(model, **options, **extra)
 
 
