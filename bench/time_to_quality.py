@@ -18,6 +18,12 @@ that compute plus what the method's step took beyond its own run's ``local`` (ru
 measured compute differs then compare on the same compute). Methods pair up by
 name; ``--label`` gives a quality file's records another (``diloco=diloco-h100``).
 Writes ``OUT.json`` and ``OUT.png`` (quality against wall-clock time per cluster).
+
+With ``--accuracy-points P`` (tasks whose quality is a held-out accuracy, evaluated once
+at the end: the image task) the target is the baseline's final held-out accuracy less P
+points instead; a method reaches it at its last step if its own final accuracy does, and
+never otherwise (the only evaluation there is: a bound on the time, the same for every
+method).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def analyse(
     tolerance: float,
     window: int,
     compute_s: float | None = None,
+    accuracy_points: float | None = None,
 ) -> dict[str, Any]:
     """Steps and seconds to the target for every quality record on every timed cluster
     (with ``compute_s``: each method's time per step is that compute plus what its step
@@ -76,10 +83,19 @@ def analyse(
         raise SystemExit(f"no quality record named {baseline!r}: have {sorted(by_name)}")
     base = smoothed(by_name[baseline]["loss_history"], window)
     target = float(base[-1]) + math.log1p(tolerance)
+    accuracy = None
+    if accuracy_points is not None:
+        if by_name[baseline].get("eval_value") is None:
+            raise SystemExit(f"{baseline!r} has no held-out accuracy to aim at (eval_value)")
+        accuracy = float(by_name[baseline]["eval_value"]) - accuracy_points / 100
     rows = []
     for record in quality:
         curve = smoothed(record["loss_history"], window)
-        steps = first_at_or_below(curve, target)
+        if accuracy is None:
+            steps = first_at_or_below(curve, target)
+        else:
+            reached = (record.get("eval_value") or 0.0) >= accuracy
+            steps = len(curve) if reached else None
         row: dict[str, Any] = {
             "label": record["label"],
             "method": record["method"],
@@ -111,7 +127,8 @@ def analyse(
                 "seconds_for_run": len(curve) * step_s,
             }
         rows.append(row)
-    return {"target_loss": target, "baseline": baseline, "tolerance": tolerance,
+    return {"target_loss": None if accuracy is not None else target,
+            "target_accuracy": accuracy, "baseline": baseline, "tolerance": tolerance,
             "window": window, "compute_s": compute_s, "rows": rows}  # fmt: skip
 
 
@@ -133,8 +150,12 @@ def plot(result: dict[str, Any], quality: list[dict[str, Any]], window: int, out
                 continue
             curve = curves[row["label"]]
             hours = np.arange(1, len(curve) + 1) * timed["step_s"] / 3600
-            axis.plot(hours, curve, label=row["label"])
-        axis.axhline(result["target_loss"], color="grey", linestyle=":", label="target")
+            label = row["label"]
+            if result["target_accuracy"] is not None and row["eval_value"] is not None:
+                label += f" (held-out {100 * row['eval_value']:.2f} %)"
+            axis.plot(hours, curve, label=label)
+        if result["target_loss"] is not None:
+            axis.axhline(result["target_loss"], color="grey", linestyle=":", label="target")
         axis.set_xscale("log")
         axis.set_xlabel(f"hours on 4 emulated hosts at {cluster}")
         axis.set_ylabel(f"training loss (mean of {window} steps)")
@@ -163,6 +184,12 @@ def main() -> None:
         default=None,
         help="one compute time per step for every method: its step less its run's local",
     )
+    parser.add_argument(
+        "--accuracy-points",
+        type=float,
+        default=None,
+        help="target: the baseline's final held-out accuracy less this many points",
+    )
     parser.add_argument("--out", required=True, help="OUT.json and OUT.png are written")
     args = parser.parse_args()
     labels = dict(item.split("=", 1) for item in args.label)
@@ -178,12 +205,23 @@ def main() -> None:
             for record in records:  # each record keeps its own run's compute-only step
                 record["own_run_local_s"] = throughput_step_s(local) if local else None
             timing.setdefault(name, []).extend(r for r in records if r["method"] != "local")
-    result = analyse(quality, timing, args.baseline, args.tolerance, args.window, args.compute_s)
+    result = analyse(
+        quality,
+        timing,
+        args.baseline,
+        args.tolerance,
+        args.window,
+        args.compute_s,
+        args.accuracy_points,
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, quality, args.window, out.with_suffix(".png"))
-    print(f"target: averaged training loss <= {result['target_loss']:.4f}")
+    if result["target_accuracy"] is not None:
+        print(f"target: final held-out accuracy >= {100 * result['target_accuracy']:.2f} %")
+    else:
+        print(f"target: averaged training loss <= {result['target_loss']:.4f}")
     for row in result["rows"]:
         times = ", ".join(
             f"{c}: {t['step_s']:.3f} s/step, "

@@ -51,6 +51,35 @@ def test_time_to_quality_lays_each_curve_on_its_step_time(tmp_path: Path) -> Non
     assert rows["diloco"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(300 * 0.6)
 
 
+def test_time_to_quality_aims_at_the_baselines_held_out_accuracy(tmp_path: Path) -> None:
+    flat = [0.5] * 100
+    quality = [  # dense 92.76 %: within 1 point is 91.76 %, which dgc misses by 0.01
+        {"method": "dense", "loss_history": flat, "eval_value": 0.9276},
+        {"method": "diloco", "loss_history": flat, "eval_value": 0.9225},
+        {"method": "dgc", "loss_history": flat, "eval_value": 0.9175},
+    ]
+    timing = [
+        {"method": "diloco", "step_s_median": 0.1, "wall_step_s": 0.7},
+        {"method": "dgc", "step_s_median": 2.0, "wall_step_s": 2.0},
+    ]
+    (tmp_path / "q.json").write_text(json.dumps(quality))
+    (tmp_path / "t.json").write_text(json.dumps(timing))
+    command = [
+        sys.executable, str(BENCH / "time_to_quality.py"), "--quality", str(tmp_path / "q.json"),
+        "--timing", f"slow={tmp_path / 't.json'}", "--accuracy-points", "1",
+        "--out", str(tmp_path / "ttq"),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    result = json.loads((tmp_path / "ttq.json").read_text())
+    assert result["target_accuracy"] == pytest.approx(0.9176)
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["diloco"]["steps_to_target"] == 100  # its one evaluation, at the end
+    assert rows["diloco"]["clusters"]["slow"]["seconds_to_target"] == pytest.approx(70.0)
+    assert rows["dgc"]["steps_to_target"] is None
+    assert "91.76 %" in run.stdout
+
+
 @pytest.mark.timeout(180)
 def test_pool_start_measures_both_start_methods(tmp_path: Path) -> None:
     out = tmp_path / "start.json"
