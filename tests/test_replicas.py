@@ -101,6 +101,27 @@ def test_ddp_starts_from_rank_0s_model_sending_only_what_differs(pool, seed_by_r
     assert sent0 == sent1 == expected  # BatchNorm's own weights start equal on every rank
 
 
+def _ignored_stay_apart(rank: int, world: int) -> tuple[list[str], list[float]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from thinwire.comm.replicas import copy_module_states
+
+    torch.manual_seed(rank)  # every tensor differs between the ranks
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2 + rank))
+    # the second layer is this rank's own (a shard: even its shape differs)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["1.weight", "1.bias"]
+    )
+    return copy_module_states(model), model[1].weight.flatten().tolist()
+
+
+@pytest.mark.timeout(120)
+def test_what_ddp_ignores_is_neither_checked_nor_copied(pool) -> None:
+    (sent0, own0), (sent1, own1) = pool.run(_ignored_stay_apart, timeout=90)
+    assert sent0 == sent1 == ["0.weight", "0.bias"]
+    assert len(own0) == 8 and len(own1) == 12  # each rank keeps its own shard
+
+
 def _mismatched_layout(rank: int, world: int) -> str:
     from thinwire.errors import RankMismatchError
     from thinwire.strategies.base import WrapSetup

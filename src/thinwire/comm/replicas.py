@@ -52,13 +52,19 @@ def broadcast_where_different(
 
 def copy_module_states(module: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
     """What ``DistributedDataParallel`` does when it is built (check that every rank's
-    parameters and buffers have the same names, shapes and dtypes; make them rank 0's),
+    parameters and buffers have the same names, shapes and dtypes; make them rank 0's;
+    those DDP is told to ignore, such as sharded embedding tables, left alone),
     sending only the tensors that differ; the names copied. Build DDP with
     ``init_sync=False`` afterwards: its own copy sends the whole model from rank 0 through
     rank 0's link, whatever the ranks hold (the image task's 11 MB, three times, through a
     100 kbit/s link: about 45 minutes). Raises :class:`RankMismatchError` on every rank
     when the layouts differ. Collective over ``group``."""
-    named = [*module.named_parameters(), *module.named_buffers()]
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # DDP's own
+    named = [
+        (name, tensor)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if name not in ignored
+    ]
     (differing,) = ranks_differing([parameter_layout(named)], group)
     if differing:
         raise RankMismatchError(
