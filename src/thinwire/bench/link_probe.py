@@ -18,7 +18,8 @@ LINK_PROBE_S = (0.5, 2.5)
 #: ... but neither probe is larger than this many elements (128 MB per rank)
 LINK_PROBE_MAX_NUMEL = 32 * 1024 * 1024
 #: seconds of link time the model-sized all-reduce may take at the nominal rate; a bigger
-#: model is probed with an all-reduce of this much (11 MB at 100 kbit/s: 30 minutes, twice)
+#: model is probed with an all-reduce of this much (the image task's 11 MB at 100 kbit/s:
+#: 22 minutes by the link's rate, and the probe runs each all-reduce twice)
 MODEL_PROBE_MAX_S = 60.0
 
 

@@ -57,8 +57,9 @@ def copy_module_states(module: nn.Module, group: dist.ProcessGroup | None = None
     sending only the tensors that differ; the names copied. Build DDP with
     ``init_sync=False`` afterwards: its own copy sends the whole model from rank 0 through
     rank 0's link, whatever the ranks hold (the image task's 11 MB, three times, through a
-    100 kbit/s link: about 45 minutes). Raises :class:`RankMismatchError` on every rank
-    when the layouts differ. Collective over ``group``."""
+    100 kbit/s link: about 45 minutes by the link's rate). Raises
+    :class:`RankMismatchError` on every rank when the layouts differ. Collective over
+    ``group``."""
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # DDP's own
     named = [
         (name, tensor)

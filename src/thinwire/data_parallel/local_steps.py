@@ -203,8 +203,8 @@ class DiLoCo:
             self._apply(self._in_flight.popleft())
         if self.inner_steps % self.sync_every == 0:
             # Before the round's last fragment starts: a blocking collective queued behind
-            # a fragment on a slow link would wait for most of it (measured: 20 s a round
-            # on the image task at 1 Mbit/s, where the buffers alone take under a second).
+            # a fragment on a slow link waits for most of it (measured: about 20 s a round
+            # on the image task at 1 Mbit/s, H=50; about 2 s first, on an idle link).
             self._average_buffers()
         for index, fragment in enumerate(self.fragments):
             if self.inner_steps % self.sync_every == fragment.offset:

@@ -26,9 +26,6 @@ from thinwire.comm.replicas import copy_module_states
 from thinwire.compress.base import Compressor
 from thinwire.data_parallel.buckets import BucketSpec, ddp_bucket_options
 
-#: DDP's ``init_sync`` (torch 2.4 on): False skips its copy of rank 0's model at build time
-_DDP_TAKES_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
-
 #: the measurements :mod:`thinwire.plan` knows (:attr:`Strategy.costing`)
 COSTINGS = (
     "none",  # no exchange
@@ -85,9 +82,8 @@ class WrapSetup:
         options = {**buffer_sync_options(self.broadcast_buffers)}
         if "bucket_cap_mb" not in extra:
             options.update(ddp_bucket_options(self.bucket_cap_mb, model))
-        if _DDP_TAKES_INIT_SYNC and "init_sync" not in extra:
-            copy_module_states(model, extra.get("process_group"))  # only what differs
-            options["init_sync"] = False
+        copy_module_states(model, extra.get("process_group"))  # only what differs
+        options["init_sync"] = False  # so DDP does not send the whole model again
         return DistributedDataParallel(model, **options, **extra)
 
 
