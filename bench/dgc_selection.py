@@ -10,7 +10,9 @@ calls (device synchronised around each):
 * ``dgc exact``: DGC's sampled threshold with retries and a top-k of the candidates
   (``selection="exact"``): exactly the top-k set, reading counts back on the host;
 * ``dgc threshold``: about k entries above a sampled threshold, fixed size, nothing read
-  back (``selection="threshold"``, the default on a GPU).
+  back (``selection="threshold"``, the default on a GPU); where Triton is at hand, with
+  its fused kernels (:mod:`thinwire.compress.fused`), and also without them
+  (``dgc threshold, PyTorch ops``).
 
 Reported per way: milliseconds, speed-up over ``torch.topk``, the share of the exact
 top-k's entries it sends (recall), the share of their magnitude it sends, and, on a GPU,
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress import Slot
+from thinwire.compress import Slot, fused
 from thinwire.compress.dgc import DGC
 
 
@@ -68,6 +70,16 @@ def host_waits(call: Callable[[], Any], device: torch.device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def unfused(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` with PyTorch's operations in place of the fused kernels."""
+    available = fused.available
+    fused.available = lambda device: False
+    try:
+        return call(*args)
+    finally:
+        fused.available = available
+
+
 def measure(flat: Tensor, density: float, repeats: int) -> dict[str, Any]:
     """The three ways at one density."""
     n, device = flat.numel(), flat.device
@@ -82,6 +94,9 @@ def measure(flat: Tensor, density: float, repeats: int) -> dict[str, Any]:
     for selection in ("exact", "threshold"):
         dgc = DGC(density=density, warmup_steps=0, selection=selection)
         ways[f"dgc {selection}"] = lambda dgc=dgc: dgc.pick(flat, k, slot)
+    if fused.available(device):  # the threshold selection without its fused kernels too
+        dgc = DGC(density=density, warmup_steps=0, selection="threshold")
+        ways["dgc threshold, PyTorch ops"] = lambda dgc=dgc: unfused(dgc.pick, flat, k, slot)
     rows = {}
     for name, call in ways.items():
         indices, values = call()
@@ -117,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     for result in results:
         for name, row in result["ways"].items():
             print(
-                f"density {result['density']:<6} {name:<14} {row['ms']:8.3f} ms  "
+                f"density {result['density']:<6} {name:<26} {row['ms']:8.3f} ms  "
                 f"{row['speedup_over_topk']:5.2f}x topk  recall {row['recall']:.3f}  "
                 f"magnitude {row['magnitude_share']:.3f}  waits {row['host_waits']}",
                 flush=True,

@@ -58,7 +58,12 @@ class CountOps(TorchDispatchMode):
 
 
 def count(
-    method: str, options: dict[str, Any], warmup: int, device: torch.device, timed: int
+    method: str,
+    options: dict[str, Any],
+    warmup: int,
+    device: torch.device,
+    timed: int,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """One steady-state step's operators for ``method``, and the median wall time of
     ``timed`` more steps' exchanges run on this thread (no other thread competing)."""
@@ -98,6 +103,7 @@ def count(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
+    profiled = profile_exchange(opt, fill, device) if profile else None
     ops = sum(counter.counts.values())
     median_ms = statistics.median(times) * 1e3 if times else float("nan")
     return {
@@ -111,7 +117,35 @@ def count(
         "all": dict(counter.counts),
         "exchange_ms": median_ms,
         "us_per_op": median_ms * 1e3 / ops if ops else None,
+        "profile": profiled,
     }
+
+
+def profile_exchange(opt: Any, fill: Any, device: torch.device, steps: int = 5) -> list[dict]:
+    """The operators of ``steps`` exchanges under ``torch.profiler``: per operator, calls
+    per step and the host's and the device's own time per step (us), most host time first."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    batches = [fill(step) for step in range(steps)]  # the gradients' copies not profiled
+    with torch.profiler.profile(activities=activities) as profiler:
+        for items in batches:
+            opt._exchange(items)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    rows = []
+    for event in profiler.key_averages():
+        if not event.key.startswith(("aten::", "c10d::", "cuda", "triton", "nccl")):
+            continue
+        rows.append(
+            {
+                "op": event.key,
+                "calls": event.count / steps,
+                "host_us": event.self_cpu_time_total / steps,
+                "device_us": getattr(event, "self_device_time_total", 0.0) / steps,
+            }
+        )
+    return sorted(rows, key=lambda row: -row["host_us"])[:25]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         metavar="LABEL=METHOD:NAME=VALUE,...",
         help="one more row with other options, e.g. dgc-threshold=dgc:density=0.01,"
         "selection=threshold (DGC's GPU selection, here on the CPU)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also each operator's host and device time"
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -148,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for method in labels:
             name, options = VARIANTS[method] if method in VARIANTS else (method, THINWIRE[method])
-            row = count(name, options, args.warmup, device, args.timed)
+            row = count(name, options, args.warmup, device, args.timed, args.profile)
             row["label"] = method
             rows.append(row)
             top = ", ".join(f"{op} {n}" for op, n in row["top"][:5])
@@ -158,6 +195,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"({row['us_per_op']:.0f} us an operator)  ({top})",
                 flush=True,
             )
+            for line in row["profile"] or []:
+                print(
+                    f"    {line['op']:<40} {line['calls']:6.1f} calls {line['host_us']:8.1f} us "
+                    f"host {line['device_us']:8.1f} us device",
+                    flush=True,
+                )
     finally:
         dist.destroy_process_group()
     if args.out:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from thinwire.compress import fused
 from thinwire.compress.base import (
     Exchange,
     Exchanged,
@@ -223,10 +224,19 @@ class DGC(TopK):
         host: exactly ``k`` (index, value) pairs, padded with the first one's index and
         the value 0 when fewer pass the threshold (nothing is counted twice)."""
         n = flat.numel()
-        magnitude, mask = self._buffers(flat)
-        torch.abs(flat, out=magnitude)
         stride = self._threshold_stride(k)
         offset = int(torch.randint(stride, (1,), generator=self.generator))
+        self.last_candidates, self.last_tries = -1, 1
+        if fused.available(flat.device):  # the same bits in fewer passes and kernels
+            sample = flat[offset::stride].abs()
+            aim = min(sample.numel(), aim_below(k * sample.numel() / n))
+            threshold = torch.topk(sample, aim, sorted=False).values.min()
+            passed = self._mask.take(n, torch.bool, flat.device)
+            fused.mark_at_least(flat, threshold, passed)
+            found_at = torch.nonzero_static(passed, size=k, fill_value=-1).view(-1)
+            return fused.take_found(flat, found_at)
+        magnitude, mask = self._buffers(flat)
+        torch.abs(flat, out=magnitude)
         sample = magnitude[offset::stride]
         aim = min(sample.numel(), aim_below(k * sample.numel() / n))
         threshold = torch.topk(sample, aim, sorted=False).values.min()
@@ -238,7 +248,6 @@ class DGC(TopK):
         found = found_at >= 0
         indices = torch.where(found, found_at, found_at[:1].clamp_min(0))
         values = torch.where(found, flat.index_select(0, indices), 0.0)
-        self.last_candidates, self.last_tries = -1, 1
         return indices, values
 
     def _threshold_stride(self, k: int) -> int:

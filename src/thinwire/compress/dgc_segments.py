@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from thinwire.compress import fused
 from thinwire.compress.base import num_selected
 
 
@@ -92,15 +93,17 @@ class ThresholdSegments:
         """``sum(ks)`` (index, value) pairs of the flat tensor, segment by segment (k_i
         slots each, in order); ``offset`` in ``[0, offsets)``: the step's sample offset."""
         at = self._moved(flat.device)
-        magnitude = flat.abs()
-        samples = magnitude.index_select(0, at["samples"] + offset)
-        padded = magnitude.new_full((self.rows * self.width,), -1.0)
+        samples = flat.index_select(0, at["samples"] + offset).abs()
+        padded = flat.new_full((self.rows * self.width,), -1.0)
         padded.index_copy_(0, at["places"], samples)
         top = torch.topk(padded.view(self.rows, self.width), self.aim_max, dim=1).values
         threshold = top.gather(1, at["aim_columns"]).squeeze(1)
         threshold = threshold.clamp_min(torch.finfo(flat.dtype).tiny)  # a zero carries nothing
         each = torch.repeat_interleave(threshold, at["lengths"], output_size=self.total)
-        passed = magnitude >= each
+        if fused.available(flat.device):  # the same bits without writing |v| out
+            passed = fused.mark_at_least(flat, each)
+        else:
+            passed = flat.abs() >= each
         running = torch.cumsum(passed, 0, dtype=torch.int32)
         # passes before each segment (0 before the first), then each segment's last to keep
         before = running.index_select(0, at["before"]) * at["first"]

@@ -1,0 +1,119 @@
+"""DGC's threshold selection in fewer kernels on a GPU, with Triton where it is installed.
+
+The threshold selection (:mod:`thinwire.compress.dgc`) spends most of its GPU time passing
+over the whole tensor: ``|v|`` written out, then compared with the threshold, then the
+passes scanned. Two kernels here take over what PyTorch does in several:
+
+* :func:`mark_at_least` writes ``|v| >= max(t, tiny)`` in one pass (reads ``v``, writes
+  the mask), where PyTorch writes ``|v|`` (the tensor's size again) and reads it back;
+* :func:`take_found` turns ``torch.nonzero_static``'s padded positions into the sent
+  (index, value) pairs, an empty slot repeating the first index with the value 0, in one
+  kernel instead of four.
+
+Both give the same bits as the PyTorch operations they replace (the comparison is made in
+float32, into which every float16 and bfloat16 value converts exactly). They run on CUDA
+tensors when Triton imports; elsewhere the callers keep PyTorch's operations. Setting
+``TRITON_INTERPRET=1`` before the first call runs them on CPU tensors through Triton's
+interpreter (slow; the tests use it to check the kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: values each Triton program handles
+BLOCK = 1024
+
+
+@functools.cache
+def _kernels() -> Any:
+    """The Triton kernels, defined on first use (``None`` where Triton does not import).
+
+    Defined lazily so that ``TRITON_INTERPRET``, read when a kernel is defined, is read
+    at the first call rather than at import."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def mark_at_least_kernel(
+        v_ptr,
+        t_ptr,
+        out_ptr,
+        n,
+        tiny,
+        EACH: tl.constexpr,
+        BLOCK: tl.constexpr,  # noqa: N803
+    ):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        v = tl.load(v_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        if EACH:  # a threshold per value
+            t = tl.load(t_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        else:
+            t = tl.load(t_ptr).to(tl.float32)
+        t = tl.maximum(t, tiny)
+        tl.store(out_ptr + offsets, tl.abs(v) >= t, mask=inside)
+
+    @triton.jit
+    def take_found_kernel(v_ptr, found_ptr, index_ptr, value_ptr, k, BLOCK: tl.constexpr):  # noqa: N803
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < k
+        found = tl.load(found_ptr + offsets, mask=inside, other=-1)
+        first = tl.maximum(tl.load(found_ptr), 0)
+        ok = found >= 0
+        index = tl.where(ok, found, first)
+        value = tl.load(v_ptr + index, mask=inside, other=0.0)
+        tl.store(index_ptr + offsets, index, mask=inside)
+        tl.store(value_ptr + offsets, tl.where(ok, value, 0.0), mask=inside)
+
+    return triton, mark_at_least_kernel, take_found_kernel
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernels run for tensors on ``device``: CUDA with Triton, or the
+    CPU under Triton's interpreter."""
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return False
+    return _kernels() is not None
+
+
+def mark_at_least(flat: Tensor, threshold: Tensor, out: Tensor | None = None) -> Tensor:
+    """``|flat| >= max(threshold, tiny)`` in one pass, into ``out`` (a bool tensor of
+    ``flat``'s length; made when not given). ``threshold``: a 0-d tensor, or one per
+    value of ``flat``, on its device; ``tiny``: the smallest normal value of ``flat``'s
+    dtype (a zero carries nothing)."""
+    triton, kernel, _ = _kernels()
+    n = flat.numel()
+    if out is None:
+        out = torch.empty(n, dtype=torch.bool, device=flat.device)
+    each = threshold.numel() != 1
+    if each and threshold.numel() != n:
+        raise ValueError(f"mark_at_least: {threshold.numel()} thresholds for {n} values")
+    tiny = torch.finfo(flat.dtype).tiny
+    kernel[(triton.cdiv(n, BLOCK),)](flat, threshold, out, n, tiny, EACH=each, BLOCK=BLOCK)
+    return out
+
+
+def take_found(flat: Tensor, found_at: Tensor) -> tuple[Tensor, Tensor]:
+    """The (indices, values) of ``found_at``'s positions of ``flat``: where a position is
+    -1 (an empty slot of ``torch.nonzero_static``), the first position (0 if none) and
+    the value 0."""
+    triton, _, kernel = _kernels()
+    k = found_at.numel()
+    indices = torch.empty(k, dtype=torch.int64, device=flat.device)
+    values = torch.empty(k, dtype=flat.dtype, device=flat.device)
+    kernel[(triton.cdiv(k, BLOCK),)](flat, found_at, indices, values, k, BLOCK=BLOCK)
+    return indices, values
