@@ -9,7 +9,10 @@ one step:
 * ``qr per stack``: thinwire's (``torch.linalg.qr`` of each stack, Householder);
 * ``gram-schmidt per stack``: PyTorch's ``powerSGD_hook`` (its Gram-Schmidt at ranks up
   to 2, the QR above that);
-* ``qr, one padded stack``: every stack padded with zero rows to the longest, one QR.
+* ``qr, one padded stack``: every stack padded with zero rows to the longest, one QR;
+* ``householder, one padded``: padded so, one Householder orthonormalisation written in
+  PyTorch's operations (``thinwire.compress.powersgd_bucket.householder_rows``, what
+  PowerSGD's bucket layout runs; its padding copies here are one index copy there).
 
 Reported per way: the host's time to launch it (no wait inside), the time to its end
 (device synchronised), both medians of ``--repeats``, and the largest departure from
@@ -34,6 +37,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
 from thinwire.compress.powersgd import PowerSGD, orthonormal_rows
+from thinwire.compress.powersgd_bucket import householder_rows
 from thinwire.tasks.resnet import ResNet18
 
 
@@ -84,10 +88,29 @@ def qr_one_padded_stack(pts: list[Tensor]) -> list[Tensor]:
     return out
 
 
+def householder_one_padded_stack(pts: list[Tensor]) -> list[Tensor]:
+    """thinwire's on a GPU (``PowerSGD.layout="bucket"``): every stack padded with zero
+    rows to the longest, one Householder orthonormalisation in PyTorch's operations."""
+    rows = max(pt.shape[2] for pt in pts)
+    rank = pts[0].shape[1]
+    padded = pts[0].new_zeros(sum(pt.shape[0] for pt in pts), rank, rows)
+    start = 0
+    for pt in pts:
+        padded[start : start + pt.shape[0], :, : pt.shape[2]] = pt
+        start += pt.shape[0]
+    q = householder_rows(padded)
+    out, start = [], 0
+    for pt in pts:
+        out.append(q[start : start + pt.shape[0], :, : pt.shape[2]])
+        start += pt.shape[0]
+    return out
+
+
 WAYS: dict[str, Callable[[list[Tensor]], list[Tensor]]] = {
     "qr per stack": qr_per_stack,
     "gram-schmidt per stack": gram_schmidt_per_stack,
     "qr, one padded stack": qr_one_padded_stack,
+    "householder, one padded": householder_one_padded_stack,
 }
 
 

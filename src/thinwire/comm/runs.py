@@ -15,6 +15,9 @@ as its math allows:
   1-bit SGD, signSGD) gets its small tensors (up to
   :data:`~thinwire.compress.segments.SMALL` values) side by side, and works on them as
   segments of one flat tensor;
+- **the whole bucket**: a compressor that takes all its tensors of a bucket at once
+  (``Compressor.bucket_as_segments``: PowerSGD on a GPU) gets them side by side as one
+  run of segments, whatever their shapes;
 - **alone**: every other tensor, one protocol each, as before.
 
 The values each tensor's exchange computes are the same whichever way it runs; a run's
@@ -214,6 +217,9 @@ def group_runs(
     groups = [Group(g, "flat", False) for g in _by_kind(dense, kinds, lambda k: k[1])]
     if compressor.elementwise:
         return groups + [Group(g, "flat", True) for g in _by_kind(chosen, kinds, lambda k: k[1])]
+    if chosen and compressor.bucket_as_segments(kinds[chosen[0]][1][1]):
+        by_kind = _by_kind(chosen, kinds, lambda k: k[1])
+        return groups + [Group(g, "segments", True) for g in by_kind]
     if compressor.batches:
         for g in _by_kind(chosen, kinds, lambda k: k):
             groups.append(Group(g, "stacked" if len(g) > 1 else "alone", True))

@@ -172,6 +172,12 @@ class Compressor(ABC):
     #: sums a long segment slowly (6-8x a ResNet-18's step with a sum per tensor, H100)
     large_segments_off_cpu: ClassVar[bool] = False
 
+    def bucket_as_segments(self, device: torch.device) -> bool:
+        """Whether the compressor takes all of a bucket's compressed tensors on
+        ``device`` (of one dtype) as one run of segments (:meth:`exchange_segmented`),
+        whatever their sizes and shapes (PowerSGD on a GPU)."""
+        return False
+
     def segments_large(self, device: torch.device) -> bool:
         """Whether a segmented compressor takes a bucket's large tensors (on ``device``)
         side by side too, as one more run of segments, rather than one at a time."""

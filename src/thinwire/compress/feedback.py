@@ -15,8 +15,7 @@ DGC (Lin et al. 2018), per tensor, with momentum ``m`` moved out of the optimize
 
 The optimizer must then apply the averaged ``v`` with plain SGD (no second momentum).
 Tensors the compressor declines (1-D biases and norms) still get ``u`` and ``v`` but are
-sent whole, so they see ordinary momentum SGD and no masking.
-All buffers are fp32, so half-precision models keep full-precision residuals.
+sent whole, so they see ordinary momentum SGD and no masking. All buffers are fp32.
 
 A refused step (a NaN on some rank, a failed collective) must leave no trace: the state a
 step writes goes into a second set of buffers (:class:`StepBuffers`) until the step is
@@ -432,7 +431,7 @@ def _update_runs(runs: Sequence[RunUpdate], mask: Callable[[RunUpdate, bool], No
     dense: list[tuple[Tensor, Tensor]] = []
     for run in runs:
         whole = _zero_run(run.correcteds, run.outcome)
-        if not whole:
+        if not whole and not _subtract_run(run.correcteds, run.outcome, dense):
             _zero_sparse(run.correcteds, run.results(), dense)
         if mask is not None:
             mask(run, whole)
@@ -452,6 +451,22 @@ def _zero_sparse(
             raise ValueError("an exchange reported neither what it sent nor its indices")
         else:
             dense.append((corrected, sent.local))
+
+
+def _subtract_run(
+    buffers: Sequence[Tensor], outcome: Exchanged, dense: list[tuple[Tensor, Tensor]]
+) -> bool:
+    """Add a dense run's (buffers, what it sent) to ``dense`` as one flat pair, if its
+    buffers lie side by side and its outcome is one flat tensor for them all (the same
+    arithmetic as a pair per tensor, without splitting the outcome); whether it did."""
+    local = outcome.local
+    if len(buffers) < 2 or outcome.sent_indices is not None or local is None:
+        return False
+    flat = side_by_side(buffers)
+    if flat is None or local.dim() != 1 or local.numel() != flat.numel():
+        return False
+    dense.append((flat, local))
+    return True
 
 
 def _zero_run(buffers: Sequence[Tensor], outcome: Exchanged) -> bool:

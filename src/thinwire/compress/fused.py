@@ -49,7 +49,7 @@ def _kernels() -> Any:
         out_ptr,
         n,
         tiny,
-        EACH: tl.constexpr,
+        EACH: tl.constexpr,  # noqa: N803
         BLOCK: tl.constexpr,  # noqa: N803
     ):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from thinwire.compress.base import (
     Slot,
     check_positive_int,
 )
+from thinwire.compress.powersgd_bucket import BucketLayout, BucketState, exchange_bucket
 from thinwire.compress.randomk import stable_seed
 from thinwire.compress.registry import register_compressor
 
@@ -61,6 +62,12 @@ class PowerSGD(Compressor):
     rank: int = 1
     min_compression: float = 2.0
     seed: int = 0
+    #: how a bucket's matrices go: ``"stacks"``, each shape's stacked with a QR per
+    #: stack; ``"bucket"``, all of them as one run with one Householder
+    #: orthonormalisation (:mod:`thinwire.compress.powersgd_bucket`: far fewer kernels);
+    #: ``"auto"``, stacks on the CPU and the bucket elsewhere. Left out of the repr (a
+    #: checkpoint's owner): the warm starts are kept per tensor either way.
+    layout: str = field(default="auto", repr=False)
 
     name = "powersgd"
     summary = "PowerSGD: rank-r factors P, Q summed, warm-started Q, error feedback"
@@ -74,6 +81,12 @@ class PowerSGD(Compressor):
         self.min_compression = _check_non_negative("min_compression", self.min_compression)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(
+                f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}"
+            )
+        #: per bucket layout (its shapes, dtype, device), what it keeps from step to step
+        self._buckets: dict[tuple, BucketState] = {}
         #: the warm start of every tensor key, stored as Q^T (rank x m)
         self.warm: dict[str, Tensor] = {}
         self._outputs: dict[str, tuple[Tensor, Tensor]] = {}
@@ -83,6 +96,55 @@ class PowerSGD(Compressor):
         #: per key (or stacked group), rows to refill dead rows of its warm start with on
         #: a GPU
         self._spares: dict[str, Tensor] = {}
+
+    def bucket_as_segments(self, device: torch.device) -> bool:
+        """Whether a bucket's matrices on ``device`` go as one run (``layout``)."""
+        if self.layout == "auto":
+            return device.type != "cpu"
+        return self.layout == "bucket"
+
+    def exchange_segmented(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """A bucket's matrices side by side in ``flat``, all at once
+        (:func:`~thinwire.compress.powersgd_bucket.exchange_bucket`)."""
+        key = (tuple(shapes), flat.dtype, flat.device)
+        state = self._buckets.get(key)
+        if state is None:
+            layout = BucketLayout(shapes, self.rank)
+            state = BucketState(layout, self._bucket_spare(layout, slots, flat), flat)
+            self._buckets[key] = state
+        warm_start = self._bucket_warm_start(state, shapes, slots, flat)
+        outcome = yield from exchange_bucket(state, flat, warm_start, slots[0].world_size)
+        for slot, view in zip(slots, state.warm[1], strict=True):
+            self.warm[slot.key] = view
+        return outcome
+
+    def _bucket_warm_start(
+        self, state: BucketState, shapes: Sequence[torch.Size], slots: Sequence[Slot], flat: Tensor
+    ) -> Tensor:
+        """Every matrix's warm start side by side: the bucket's last one itself while
+        ``warm`` still holds its views (no copy), else put together from ``warm``."""
+        if state.warm is not None:
+            kept, views = state.warm
+            if all(self.warm.get(s.key) is v for s, v in zip(slots, views, strict=True)):
+                return kept
+        parts = []
+        for shape, slot in zip(shapes, slots, strict=True):
+            matrix = flat.new_empty(1, 1).expand(shape[0], math.prod(shape) // shape[0])
+            parts.append(self._warm_start(slot.key, matrix).reshape(-1))
+        return torch.cat(parts)
+
+    def _bucket_spare(self, layout: BucketLayout, slots: Sequence[Slot], like: Tensor) -> Tensor:
+        """Seeded random rows for every matrix's warm start, side by side (the same on
+        every rank): what refills a dead row."""
+        parts = []
+        for stack in layout.stacks:
+            for slot in slots[stack.first : stack.first + stack.count]:
+                seed = stable_seed(self.seed, slot.key, "spare")
+                generator = torch.Generator().manual_seed(seed)
+                parts.append(torch.randn(stack.r * stack.m, generator=generator, dtype=like.dtype))
+        return torch.cat(parts).to(like.device)
 
     def compresses(self, tensor: Tensor) -> bool:
         """Matrices (and higher) whose factors are ``min_compression`` times smaller."""
@@ -217,6 +279,10 @@ class PowerSGD(Compressor):
         if unknown:
             raise ValueError(f"compressor 'powersgd' got unknown state {sorted(unknown)}")
         self.warm = {key: qt.clone() for key, qt in state.get("warm", {}).items()}
+
+
+#: PowerSGD's ways of laying out a bucket's matrices (see ``PowerSGD.layout``)
+LAYOUTS = ("auto", "stacks", "bucket")
 
 
 def orthonormal_rows(matrices: Tensor) -> Tensor:

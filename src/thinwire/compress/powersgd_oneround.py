@@ -70,6 +70,12 @@ class OneRoundPowerSGD(PowerSGD):
     name = "powersgd-oneround"
     summary = "PowerSGD in one round: project onto last step's P and Q, error feedback"
     rounds = 1
+    #: one tensor at a time: PowerSGD's stacked and bucket-wide exchanges are its two rounds
+    batches = False
+
+    def bucket_as_segments(self, device: torch.device) -> bool:
+        """Never: its bases are kept and projected one tensor at a time."""
+        return False
 
     def __post_init__(self) -> None:
         super().__post_init__()
