@@ -38,6 +38,15 @@ def test_householder_rows_are_the_qrs(shape: tuple[int, int, int]) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("scale", [1e-25, 1e25])
+def test_householder_rows_of_tiny_and_huge_values_are_the_qrs(scale: float) -> None:
+    """A deep layer's gradients (and so its P) can be 1e-25: their squares underflow a
+    plain norm (and 1e25's overflow it); the result must not change with the scale."""
+    rows = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(8)) * scale
+    got = householder_rows(rows.clone())
+    torch.testing.assert_close(got, orthonormal_rows(rows), rtol=0, atol=2e-6)
+
+
 def test_householder_rows_complete_zero_and_dependent_rows() -> None:
     rows = torch.randn(4, 3, 20, generator=torch.Generator().manual_seed(2))
     rows[0, 1] = 0.0  # a zero row
@@ -220,3 +229,24 @@ def test_on_a_gpu_the_bucket_exchange_waits_for_nothing() -> None:
         singles = [run_locally(reference.exchange(t, s)) for t, s in zip(tensors, slots)]
         mean = torch.cat([r.mean.reshape(-1) for r in singles])
         torch.testing.assert_close(outcome.mean.cpu(), mean, rtol=1e-4, atol=1e-4)
+
+
+def train_deep(rank: int, world: int) -> bool:
+    """32 linear layers: the deep ones' gradients are tiny (their P factors 1e-20 and
+    less), which a plain norm in the orthonormalisation turned into inf and then NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(32)])
+    opt = thinwire.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, PowerSGD(rank=2, layout="bucket")
+    )
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=generator)).square().mean().backward()
+        opt.step()  # raises NonFiniteGradientError if a step went non-finite
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.multiprocess
+def test_a_deep_model_with_tiny_gradients_stays_finite(pool2) -> None:
+    assert all(pool2.run(train_deep))

@@ -40,7 +40,7 @@ def householder_rows(rows: Tensor) -> Tensor:
     ``torch.linalg.qr`` gives it (LAPACK's reflectors and signs, equal to rounding; where
     a column has nothing below its diagonal LAPACK leaves it and this reflects it, a sign
     that PowerSGD's products do not see), in a fixed number of kernels per rank (about
-    12) whatever B. Zero or dependent rows get orthonormal completions, not NaN.
+    15) whatever B. Zero or dependent rows get orthonormal completions, not NaN.
     Writes ``rows`` (the reflected remainder is left there)."""
     batch, rank, n = rows.shape
     if rank > n:
@@ -50,9 +50,11 @@ def householder_rows(rows: Tensor) -> Tensor:
     reflectors = []
     for j in range(rank):
         x = rows[:, j, :] * below[j]  # the column's entries from the diagonal down
-        beta = torch.copysign(
-            torch.linalg.vector_norm(x, dim=1, keepdim=True), rows[:, j, j : j + 1]
-        )
+        # scaled to a largest entry of 1 first: squares of gradient-sized values (1e-20
+        # and less, or 1e20 and more) would underflow or overflow the norm
+        x /= torch.linalg.vector_norm(x, math.inf, dim=1, keepdim=True).clamp_min(tiny)
+        norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        beta = torch.copysign(norm, x[:, j : j + 1])
         x[:, j : j + 1] += beta  # x - beta' e_j, beta' = -sign(x_j) |x|: no cancellation
         u = x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(tiny)
         reflectors.append(u)
