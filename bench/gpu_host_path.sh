@@ -26,7 +26,7 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi -L
 $py -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'
 r18=(--device cuda --model resnet18 --batch 32 --warmup 10 --steps 20 --rounds "${R18_ROUNDS:-3}"
-     --methods "${R18_METHODS:-all}" --variant powersgd-stacks=powersgd:rank=2,layout=stacks)
+     --methods "${R18_METHODS:-all}")
 step tests 150 $py -m pytest -q -p no:cacheprovider tests/test_fused_selection.py \
   tests/test_gpu_sync.py tests/test_dgc_threshold.py tests/test_powersgd_bucket.py
 step dgc-selection 120 $py bench/dgc_selection.py --device cuda --out "$out/dgc-selection.json"
@@ -34,7 +34,8 @@ step orthonormal 60 $py bench/orthonormal_cost.py --device cuda --out "$out/orth
 step ops 150 $py bench/ops_per_step.py --device cuda --profile \
   --methods "${OPS_METHODS:-none,powersgd,dgc,onebit}" \
   --variant powersgd-stacks=powersgd:rank=2,layout=stacks --out "$out/ops.json"
-step r18-after 200 $py bench/host_cost.py "${r18[@]}" --out "$out/host-cost-r18-after.json"
+step r18-after 200 $py bench/host_cost.py "${r18[@]}" \
+  --variant powersgd-stacks=powersgd:rank=2,layout=stacks --out "$out/host-cost-r18-after.json"
 if [ -n "$before" ]; then
   step r18-before 200 env PYTHONPATH="$before:bench" $py bench/host_cost.py "${r18[@]}" \
     --out "$out/host-cost-r18-before.json"

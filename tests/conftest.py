@@ -8,10 +8,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from thinwire.launch import LocalPool, free_port, process_context
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# without a GPU, Triton (imported later, if at all) runs its kernels through its
+# interpreter, on CPU tensors: the fused kernels' tests (tests/test_fused_selection.py)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # ranks fork from a server that imported these once (thinwire.launch.process_context): eight
 # ranks each importing transformers cost 8 x 4 s of CPU per pool on this 2-core machine
 os.environ.setdefault(

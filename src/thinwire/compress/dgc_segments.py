@@ -29,6 +29,7 @@ from torch import Tensor
 
 from thinwire.compress import fused
 from thinwire.compress.base import num_selected
+from thinwire.compress.fused_segments import SegmentTables, pick_segments
 
 
 class ThresholdSegments:
@@ -81,6 +82,9 @@ class ThresholdSegments:
             ),
         }
         self._on: dict[torch.device, dict[str, Tensor]] = {}
+        self.sizes = sizes
+        #: the fused kernels' tables, made at their first use
+        self._tables: SegmentTables | None = None
 
     def _moved(self, device: torch.device) -> dict[str, Tensor]:
         moved = self._on.get(device)
@@ -99,11 +103,12 @@ class ThresholdSegments:
         top = torch.topk(padded.view(self.rows, self.width), self.aim_max, dim=1).values
         threshold = top.gather(1, at["aim_columns"]).squeeze(1)
         threshold = threshold.clamp_min(torch.finfo(flat.dtype).tiny)  # a zero carries nothing
+        if fused.available(flat.device):  # the same pairs in three kernels
+            if self._tables is None:
+                self._tables = SegmentTables(self.sizes, self.ks)
+            return pick_segments(flat, threshold, self._tables)
         each = torch.repeat_interleave(threshold, at["lengths"], output_size=self.total)
-        if fused.available(flat.device):  # the same bits without writing |v| out
-            passed = fused.mark_at_least(flat, each)
-        else:
-            passed = flat.abs() >= each
+        passed = flat.abs() >= each
         running = torch.cumsum(passed, 0, dtype=torch.int32)
         # passes before each segment (0 before the first), then each segment's last to keep
         before = running.index_select(0, at["before"]) * at["first"]

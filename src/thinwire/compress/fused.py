@@ -12,9 +12,9 @@ passes scanned. Two kernels here take over what PyTorch does in several:
 
 Both give the same bits as the PyTorch operations they replace (the comparison is made in
 float32, into which every float16 and bfloat16 value converts exactly). They run on CUDA
-tensors when Triton imports; elsewhere the callers keep PyTorch's operations. Setting
-``TRITON_INTERPRET=1`` before the first call runs them on CPU tensors through Triton's
-interpreter (slow; the tests use it to check the kernels without a GPU).
+tensors when Triton imports; elsewhere the callers keep PyTorch's operations. The tests
+run them on CPU tensors through Triton's interpreter (:data:`ON_CPU`, with
+``TRITON_INTERPRET=1`` set before Triton is first imported: ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+#: Triton and its language, imported at the first kernel (``None`` until then). The
+#: kernels' language must be a global of their module for Triton's interpreter.
+triton: Any = None
+tl: Any = None
+
+#: whether the kernels also run on CPU tensors, through Triton's interpreter (the tests:
+#: ``TRITON_INTERPRET=1`` must be set before Triton is first imported)
+ON_CPU = False
+
+
+@functools.cache
+def triton_modules() -> tuple[Any, Any] | None:
+    """``(triton, triton.language)``, or ``None`` where Triton does not import."""
+    try:
+        import triton as triton_module
+        import triton.language as language
+    except ImportError:
+        return None
+    return triton_module, language
+
+
 #: values each Triton program handles
 BLOCK = 1024
 
@@ -36,11 +57,11 @@ def _kernels() -> Any:
 
     Defined lazily so that ``TRITON_INTERPRET``, read when a kernel is defined, is read
     at the first call rather than at import."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    global triton, tl
+    modules = triton_modules()
+    if modules is None:
         return None
+    triton, tl = modules
 
     @triton.jit
     def mark_at_least_kernel(
@@ -49,21 +70,16 @@ def _kernels() -> Any:
         out_ptr,
         n,
         tiny,
-        EACH: tl.constexpr,  # noqa: N803
-        BLOCK: tl.constexpr,  # noqa: N803
+        BLOCK: tl.constexpr,
     ):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         v = tl.load(v_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        if EACH:  # a threshold per value
-            t = tl.load(t_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-        else:
-            t = tl.load(t_ptr).to(tl.float32)
-        t = tl.maximum(t, tiny)
+        t = tl.maximum(tl.load(t_ptr).to(tl.float32), tiny)
         tl.store(out_ptr + offsets, tl.abs(v) >= t, mask=inside)
 
     @triton.jit
-    def take_found_kernel(v_ptr, found_ptr, index_ptr, value_ptr, k, BLOCK: tl.constexpr):  # noqa: N803
+    def take_found_kernel(v_ptr, found_ptr, index_ptr, value_ptr, k, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < k
         found = tl.load(found_ptr + offsets, mask=inside, other=-1)
@@ -84,26 +100,26 @@ def interpreting() -> bool:
 
 def available(device: torch.device) -> bool:
     """Whether the fused kernels run for tensors on ``device``: CUDA with Triton, or the
-    CPU under Triton's interpreter."""
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+    CPU under Triton's interpreter where :data:`ON_CPU` asks for it."""
+    on_cpu = device.type == "cpu" and ON_CPU and interpreting()
+    if device.type != "cuda" and not on_cpu:
         return False
-    return _kernels() is not None
+    return triton_modules() is not None
 
 
 def mark_at_least(flat: Tensor, threshold: Tensor, out: Tensor | None = None) -> Tensor:
     """``|flat| >= max(threshold, tiny)`` in one pass, into ``out`` (a bool tensor of
-    ``flat``'s length; made when not given). ``threshold``: a 0-d tensor, or one per
-    value of ``flat``, on its device; ``tiny``: the smallest normal value of ``flat``'s
-    dtype (a zero carries nothing)."""
-    triton, kernel, _ = _kernels()
+    ``flat``'s length; made when not given). ``threshold``: a 0-d tensor on ``flat``'s
+    device; ``tiny``: the smallest normal value of ``flat``'s dtype (a zero carries
+    nothing)."""
+    kernel = _kernels()[1]
     n = flat.numel()
     if out is None:
         out = torch.empty(n, dtype=torch.bool, device=flat.device)
-    each = threshold.numel() != 1
-    if each and threshold.numel() != n:
-        raise ValueError(f"mark_at_least: {threshold.numel()} thresholds for {n} values")
+    if threshold.numel() != 1:
+        raise ValueError(f"mark_at_least takes one threshold, got {threshold.numel()}")
     tiny = torch.finfo(flat.dtype).tiny
-    kernel[(triton.cdiv(n, BLOCK),)](flat, threshold, out, n, tiny, EACH=each, BLOCK=BLOCK)
+    kernel[(triton.cdiv(n, BLOCK),)](flat, threshold, out, n, tiny, BLOCK=BLOCK)
     return out
 
 
@@ -111,7 +127,7 @@ def take_found(flat: Tensor, found_at: Tensor) -> tuple[Tensor, Tensor]:
     """The (indices, values) of ``found_at``'s positions of ``flat``: where a position is
     -1 (an empty slot of ``torch.nonzero_static``), the first position (0 if none) and
     the value 0."""
-    triton, _, kernel = _kernels()
+    kernel = _kernels()[2]
     k = found_at.numel()
     indices = torch.empty(k, dtype=torch.int64, device=flat.device)
     values = torch.empty(k, dtype=flat.dtype, device=flat.device)
