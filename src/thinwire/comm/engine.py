@@ -154,8 +154,8 @@ class GradientExchange:
 
     def submit(self, job: Any) -> torch.futures.Future:
         """Run ``job`` on the exchange thread, after every job submitted before it."""
-        if self._worker is None:
-            self._worker = OrderedWorker()
+        if self._worker is None or self._worker.closed:  # closed: its group was destroyed
+            self._worker = OrderedWorker(group=getattr(self.communicator, "group", None))
         return self._worker.submit(job)
 
     def exchange_bucket(

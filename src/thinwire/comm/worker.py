@@ -7,51 +7,49 @@ FIFO thread keeps that order while the main thread goes on with the backward pas
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-#: how long the interpreter's exit waits for a worker's job under way (a collective that
-#: a dead peer never completes must not hold the exit for the group's whole timeout)
-EXIT_WAIT_S = 10.0
-
-_live: weakref.WeakSet[OrderedWorker] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """Let every worker finish its jobs and stop before the interpreter tears down: a
-    daemon thread still inside a collective while the process groups are destroyed can
-    abort the process (SIGABRT) instead of letting it exit with its own code."""
-    for worker in list(_live):
-        worker.close(timeout=EXIT_WAIT_S)
+from thinwire.comm import shutdown
 
 
 class OrderedWorker:
-    """A daemon thread that runs submitted callables one at a time, in order."""
+    """A daemon thread that runs submitted callables one at a time, in order; closed
+    before ``group`` (default: the default group) is destroyed and at interpreter exit
+    (:mod:`thinwire.comm.shutdown`)."""
 
-    def __init__(self, name: str = "thinwire-exchange") -> None:
+    def __init__(self, name: str = "thinwire-exchange", group: Any = None) -> None:
         self._jobs: queue.Queue[tuple[Callable[[], Any], torch.futures.Future] | None] = (
             queue.Queue()
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        _live.add(self)
+        self.closed = False
+        shutdown.register(self, group)
 
     def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
         """Queue ``job``; the returned future holds its result or its exception."""
+        if self.closed:
+            raise RuntimeError(
+                "thinwire's exchange thread is closed (by close(), or because its process "
+                "group was destroyed): make a new engine after init_process_group"
+            )
         future: torch.futures.Future = torch.futures.Future()
         self._jobs.put((job, future))
         return future
 
     def close(self, timeout: float | None = None) -> None:
         """Finish queued jobs and stop the thread (waiting at most ``timeout`` s)."""
-        _live.discard(self)
+        shutdown.unregister(self)
+        self.close_for_shutdown(timeout)
+
+    def close_for_shutdown(self, timeout: float | None) -> None:
+        """Finish queued jobs and stop the thread, waiting at most ``timeout`` s."""
+        self.closed = True
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout)

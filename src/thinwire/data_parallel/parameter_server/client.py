@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from thinwire.comm import shutdown
 from thinwire.comm.agreement import parameter_layout, ranks_differing
 from thinwire.comm.collectives import group_timeout, run_collective
 from thinwire.comm.engine import GradientExchange, GradientItem
@@ -211,6 +212,7 @@ class ParameterServer:
                 self._links.append(link)
                 self._engines.append(GradientExchange(built, communicator=link, memory=memory))
         self._base_lr = base_rate(optimizer.param_groups[0])
+        shutdown.register(self, group)  # closed, if not by the user, before its group goes
 
     # -- construction helpers -----------------------------------------------------------
 
@@ -440,12 +442,8 @@ class ParameterServer:
         has served every worker. Call on every rank."""
         if self._closed:
             return
-        self._closed = True
-        self._open()
-        if self.is_worker:
-            for link in self._links:
-                header = torch.tensor([CLOSE, self.step_count, 0, 0], dtype=torch.float64)
-                link.channel.send(header).wait()
+        shutdown.unregister(self)
+        self._say_closed()
         if self._server_thread is not None:
             self._server_thread.join(self.timeout.total_seconds())
             self._check_usable()
@@ -458,6 +456,25 @@ class ParameterServer:
                 )
         elif self.server is not None and not self.is_worker:
             self.serve()
+
+    def close_for_shutdown(self, timeout: float) -> None:
+        """:meth:`close` where the user did not call it, before the group is destroyed or
+        the interpreter exits: every shard told this worker is done, a colocated shard
+        given at most ``timeout`` s to finish serving (a dedicated server rank that never
+        served is left alone)."""
+        if self._closed:
+            return
+        self._say_closed()
+        if self._server_thread is not None:
+            self._server_thread.join(timeout)
+
+    def _say_closed(self) -> None:
+        self._closed = True
+        self._open()
+        if self.is_worker:
+            for link in self._links:
+                header = torch.tensor([CLOSE, self.step_count, 0, 0], dtype=torch.float64)
+                link.channel.send(header).wait()
 
     def _check_usable(self) -> None:
         if self._server_error is not None:
