@@ -495,8 +495,9 @@ def test_a_short_emulated_run_counts_real_wire_bytes(
     # itself is a benchmark's (docs/measurements.md); on a loaded 2-core machine the probes
     # have seen 34 Mbit/s, so the bounds here only catch a limiter that is wrong.
     assert 0.6 * 50e6 <= records["dense"]["allreduce_link_bps"] <= 1.25 * 50e6
-    # a few ms of latency per all-reduce, give or take the fit's noise; not seconds
-    assert abs(records["dense"]["allreduce_fixed_s"]) < 0.1
+    # a few ms of latency per all-reduce, give or take the fit's noise (0.14 s was seen on
+    # a loaded 2-core machine); not seconds
+    assert abs(records["dense"]["allreduce_fixed_s"]) < 0.5
     assert built  # the run's clusters (one per method) are gone again
     assert not {h.namespace for c in built for h in c.hosts} & set(list_namespaces())
     assert (tmp_path / "results.json").exists()

@@ -75,8 +75,10 @@ def test_sigterm_to_the_bench_stops_its_workers(tmp_path: Path) -> None:
     workers = _wait_for_workers(proc, 2)
     time.sleep(2)  # past start-up: training
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) != 0
-    assert not _gone_within(workers, 10), "workers outlived the bench"
+    # bounds for a loaded machine (the whole suite beside it); an orphaned worker would
+    # train on for its million steps
+    assert proc.wait(timeout=60) != 0
+    assert not _gone_within(workers, 30), "workers outlived the bench"
 
 
 SCRIPT = """

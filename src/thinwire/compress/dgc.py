@@ -28,7 +28,8 @@ so about 7/8 of k entries, all at or above the estimated k-th magnitude; what it
 (all of cand past the first k, in the rare step where more than k pass) stays in the
 memory and grows until it goes, as every unsent entry does. A bucket's large tensors
 take it side by side, with a fixed number of kernels whatever their count
-(:mod:`thinwire.compress.dgc_segments`).
+(:mod:`thinwire.compress.dgc_segments`). With Triton on a GPU the passes over the tensor
+run in fused kernels that pick the same pairs (:mod:`thinwire.compress.fused`).
 """
 
 from __future__ import annotations

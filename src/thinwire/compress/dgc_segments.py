@@ -16,7 +16,9 @@ lie side by side in one flat tensor, each a *segment*. Per step::
              segment's first index with the value 0, which adds nothing where it lands
 
 so every segment sends exactly k_i (index, value) pairs, and the split per tensor needs no
-count from the device. What is not sent stays in DGC's memory, as always.
+count from the device. What is not sent stays in DGC's memory, as always. On a GPU with
+Triton, everything after the thresholds runs in three kernels that send the same pairs
+(:mod:`thinwire.compress.fused_segments`).
 """
 
 from __future__ import annotations
