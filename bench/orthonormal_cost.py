@@ -71,39 +71,32 @@ def gram_schmidt_per_stack(pts: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def qr_one_padded_stack(pts: list[Tensor]) -> list[Tensor]:
-    """Every stack padded with zero rows to the longest, one QR for all."""
+def one_padded_stack(pts: list[Tensor], orthonormalise: Callable[[Tensor], Tensor]) -> list[Tensor]:
+    """Every stack padded with zero rows to the longest, ``orthonormalise`` once for all,
+    each stack's part cut out again."""
     rows = max(pt.shape[2] for pt in pts)
-    rank = pts[0].shape[1]
-    padded = pts[0].new_zeros(sum(pt.shape[0] for pt in pts), rank, rows)
+    padded = pts[0].new_zeros(sum(pt.shape[0] for pt in pts), pts[0].shape[1], rows)
     start = 0
     for pt in pts:
         padded[start : start + pt.shape[0], :, : pt.shape[2]] = pt
         start += pt.shape[0]
-    q = orthonormal_rows(padded)
+    q = orthonormalise(padded)
     out, start = [], 0
     for pt in pts:
         out.append(q[start : start + pt.shape[0], :, : pt.shape[2]])
         start += pt.shape[0]
     return out
+
+
+def qr_one_padded_stack(pts: list[Tensor]) -> list[Tensor]:
+    """One QR for every stack, padded."""
+    return one_padded_stack(pts, orthonormal_rows)
 
 
 def householder_one_padded_stack(pts: list[Tensor]) -> list[Tensor]:
-    """thinwire's on a GPU (``PowerSGD.layout="bucket"``): every stack padded with zero
-    rows to the longest, one Householder orthonormalisation in PyTorch's operations."""
-    rows = max(pt.shape[2] for pt in pts)
-    rank = pts[0].shape[1]
-    padded = pts[0].new_zeros(sum(pt.shape[0] for pt in pts), rank, rows)
-    start = 0
-    for pt in pts:
-        padded[start : start + pt.shape[0], :, : pt.shape[2]] = pt
-        start += pt.shape[0]
-    q = householder_rows(padded)
-    out, start = [], 0
-    for pt in pts:
-        out.append(q[start : start + pt.shape[0], :, : pt.shape[2]])
-        start += pt.shape[0]
-    return out
+    """thinwire's on a GPU (``PowerSGD.layout="bucket"``): one Householder
+    orthonormalisation in PyTorch's operations for every stack, padded."""
+    return one_padded_stack(pts, householder_rows)
 
 
 WAYS: dict[str, Callable[[list[Tensor]], list[Tensor]]] = {
