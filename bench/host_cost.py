@@ -58,7 +58,9 @@ THINWIRE: dict[str, dict[str, Any]] = {
     "fp16": {},
     "bf16": {},
     "powersgd": {"rank": 2},
-    "dgc": {"density": 0.01},
+    # at its density from the first step: with DGC's default warm-up (1000 steps) every
+    # step a benchmark times would send 25 % of each tensor (runs before 2026-11-27 did)
+    "dgc": {"density": 0.01, "warmup_steps": 0},
     "topk": {"density": 0.01},
     "randomk": {"density": 0.01},
     "onebit": {},

@@ -202,14 +202,19 @@ def test_stochastic_segments_are_unbiased_and_on_their_grid(name: str) -> None:
         assert bool(((average[part].view_as(expected) - expected).abs() <= bound).all())
 
 
+@pytest.mark.parametrize(
+    "shapes",
+    [[(30, 20), (7, 9), (64, 64)], [(32, 32), (32, 32), (32, 32)]],
+    ids=["sizes-apart", "one-size"],  # one size: no padding, one k: no sort (the fast path)
+)
 @pytest.mark.parametrize("name", ["topk", "dgc"])
-def test_sparse_segments_send_each_tensors_own_top_k(name: str) -> None:
+def test_sparse_segments_send_each_tensors_own_top_k(name: str, shapes: list) -> None:
     """Small matrices side by side: every tensor sends exactly its own top-k entries (as
     alone), and the sent indices come back to each tensor in its own numbering."""
     from thinwire.comm.runs import split_flat
 
     gen = torch.Generator().manual_seed(6)
-    grads = [torch.randn(shape, generator=gen) for shape in [(30, 20), (7, 9), (64, 64)]]
+    grads = [torch.randn(shape, generator=gen) for shape in shapes]
     flat = torch.cat([g.reshape(-1) for g in grads])
     slots = [Slot(f"t{i}", 5000, world_size=1) for i in range(len(grads))]
     compressor = thinwire.compressor(name, density=0.05)

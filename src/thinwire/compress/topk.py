@@ -202,13 +202,23 @@ class SegmentedTopK:
         keep = torch.arange(self.kmax).unsqueeze(0) < torch.tensor(self.ks).unsqueeze(1)
         self._keep = keep.view(-1).nonzero().view(-1)  # where each row's own k lie
         self._on: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        #: tensors of one size need no padding; of one k, no sorting (a row's first k of
+        #: its sorted top-kmax are its own k only where the k differ) and no mask
+        self._same_size = min(sizes) == self.width
+        self._same_k = min(self.ks) == self.kmax
 
     def select(self, flat: Tensor) -> Tensor:
-        """Flat indices of each tensor's top k by magnitude, grouped by tensor in order."""
+        """Flat indices of each tensor's top k by magnitude, grouped by tensor in order
+        (within a tensor in no particular order where every tensor keeps the same k)."""
         starts, places, keep = self._moved(flat.device)
-        padded = flat.new_full((self.rows * self.width,), -1.0)
-        padded.index_copy_(0, places, flat.abs())
-        top = torch.topk(padded.view(self.rows, self.width), self.kmax, dim=1).indices
+        if self._same_size:
+            magnitudes = flat.abs().view(self.rows, self.width)
+        else:
+            padded = flat.new_full((self.rows * self.width,), -1.0)
+            magnitudes = padded.index_copy_(0, places, flat.abs()).view(self.rows, self.width)
+        top = torch.topk(magnitudes, self.kmax, dim=1, sorted=not self._same_k).indices
+        if self._same_k:
+            return (top + starts).view(-1)
         return (top + starts).view(-1).index_select(0, keep)
 
     def kept_fraction(self, device: torch.device) -> Tensor:
