@@ -174,9 +174,10 @@ class _Workers:
     fresh threads worked every operation's sharding out again (a Llama plan 2x2x2 on 8
     gloo ranks stepped 7.4x slower in 2 sub-batches than without; 3.2x with the threads
     kept). They stop when the thread that owns them ends (its thread-local data goes, and
-    with it this object) and, as every ``OrderedWorker``, at interpreter exit, before C++
-    tears down what they hold (a daemon thread left running there aborted the process in
-    1 exit of 4)."""
+    with it this object) and, as every ``OrderedWorker``, when the default process group
+    is destroyed (the next call starts new ones) and at interpreter exit, before C++ tears
+    down what they hold (a daemon thread left running there aborted the process in 1 exit
+    of 4)."""
 
     def __init__(self) -> None:
         self.workers: list[OrderedWorker] = []
@@ -184,6 +185,9 @@ class _Workers:
 
     def run(self, tasks: Sequence[Callable[[], None]]) -> None:
         """Run ``tasks[i]`` on thread ``i``, all at once; return when every one has."""
+        for i, worker in enumerate(self.workers):
+            if worker.closed:  # by a destroyed process group: a fresh thread in its place
+                self.workers[i] = OrderedWorker(f"thinwire-subbatch-{i}")
         while len(self.workers) < len(tasks):
             self.workers.append(OrderedWorker(f"thinwire-subbatch-{len(self.workers)}"))
         done = [worker.submit(task) for worker, task in zip(self.workers, tasks, strict=False)]
