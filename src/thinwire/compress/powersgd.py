@@ -57,6 +57,7 @@ class PowerSGD(Compressor):
         min_compression: send a tensor dense unless ``n*m >= (n + m) * rank *
             min_compression``; 0 compresses every matrix.
         seed: seeds the first Q of every tensor (the same on every rank).
+        layout: ``"stacks"``, ``"bucket"`` or ``"auto"`` (see the field below).
     """
 
     rank: int = 1
