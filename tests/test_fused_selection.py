@@ -25,10 +25,12 @@ def interpreted(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(fused, "ON_CPU", True)
     fused._kernels.cache_clear()
     fused_segments._kernels.cache_clear()
+    fused.forget_checks()
     assert fused.available(torch.device("cpu"))
     yield
     fused._kernels.cache_clear()
     fused_segments._kernels.cache_clear()
+    fused.forget_checks()
 
 
 def heavy_tailed(n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -147,3 +149,21 @@ def test_the_segment_kernels_keep_the_first_k_passes_in_order(interpreted) -> No
         expected = reference_pick(flat, thresholds, sizes, ks)
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b), thresholds
+
+
+def test_kernels_that_fail_to_build_leave_pytorchs_operations(interpreted, monkeypatch) -> None:
+    """A device where Triton cannot build or run them (no compiler, an unsupported GPU):
+    one warning, and the selection goes on with PyTorch's operations."""
+    fused.forget_checks()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(fused, "take_found", broken)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert not fused.available(torch.device("cpu"))
+    assert not fused.available(torch.device("cpu"))  # checked once: no second warning
+    flat = heavy_tailed(200_000)
+    dgc = DGC(density=0.01, warmup_steps=0, selection="threshold")
+    indices, values = dgc.pick(flat, 2000, Slot("w", 10**6, 1))  # PyTorch's path
+    assert indices.shape == (2000,) and bool((values != 0).any())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -98,13 +99,73 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: per device, whether the kernels passed their first-use check there
+_checked: dict[str, bool] = {}
+
+
 def available(device: torch.device) -> bool:
     """Whether the fused kernels run for tensors on ``device``: CUDA with Triton, or the
-    CPU under Triton's interpreter where :data:`ON_CPU` asks for it."""
+    CPU under Triton's interpreter where :data:`ON_CPU` asks for it; and, the first time
+    for each device, whether they compile there and give PyTorch's results
+    (:func:`_works_on`)."""
     on_cpu = device.type == "cpu" and ON_CPU and interpreting()
     if device.type != "cuda" and not on_cpu:
         return False
-    return triton_modules() is not None
+    if triton_modules() is None:
+        return False
+    works = _checked.get(str(device))
+    if works is None:
+        works = _checked[str(device)] = _works_on(device)
+    return works
+
+
+def forget_checks() -> None:
+    """Check the kernels again at their next use (tests)."""
+    _checked.clear()
+
+
+def _works_on(device: torch.device) -> bool:
+    """Run each kernel once on a small tensor against PyTorch's operations. Where Triton
+    cannot build them (no C compiler, a GPU it does not support) or they disagree, warn
+    once: DGC's selection then keeps PyTorch's operations on that device."""
+    from thinwire.compress import fused_segments
+
+    try:
+        flat = torch.randn(3000, generator=torch.Generator().manual_seed(0)).to(device)
+        flat[:100] = 0.0
+        threshold = torch.tensor(0.5, device=device)
+        passed = mark_at_least(flat, threshold)
+        found_at = torch.nonzero_static(passed, size=2500, fill_value=-1).view(-1)
+        indices, values = take_found(flat, found_at)
+        tables = fused_segments.SegmentTables([1000, 2000], [10, 20])
+        thresholds = torch.tensor([0.5, 1.0], device=device)
+        picked, _ = fused_segments.pick_segments(flat, thresholds, tables)
+        found = found_at >= 0
+        expected_indices = torch.where(found, found_at, found_at[:1].clamp_min(0))
+        first = (flat[:1000].abs() >= 0.5).nonzero().view(-1)[:10]
+        second = (flat[1000:].abs() >= 1.0).nonzero().view(-1)[:20] + 1000
+        same = (
+            torch.equal(passed, flat.abs() >= threshold)
+            and torch.equal(indices, expected_indices)
+            and torch.equal(values, torch.where(found, flat[expected_indices], 0.0))
+            and torch.equal(picked, torch.cat([first, second]))
+        )
+    except Exception as error:  # any failure to build or run: PyTorch's operations instead
+        _warn(device, f"they failed: {type(error).__name__}: {str(error)[:300]}")
+        return False
+    if not same:
+        _warn(device, "they disagreed with PyTorch's operations")
+        return False
+    return True
+
+
+def _warn(device: torch.device, what: str) -> None:
+    warnings.warn(
+        f"thinwire: Triton's kernels for DGC's selection on {device}: {what}; the selection "
+        "uses PyTorch's operations there (the same pairs, slower)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def mark_at_least(flat: Tensor, threshold: Tensor, out: Tensor | None = None) -> Tensor:
