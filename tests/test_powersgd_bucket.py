@@ -169,6 +169,19 @@ def test_layouts_are_checked_and_chosen_by_device() -> None:
     assert [(g.members, g.how) for g in groups] == [([3], "flat"), ([0, 1, 2], "stacked")]
 
 
+def test_the_bucket_run_puts_same_shapes_together() -> None:
+    """One batched product per shape: a bucket's same-shaped matrices side by side, each
+    shape where its first matrix was (a 4-d kernel counts as its rows x the rest)."""
+    cpu = (torch.float32, torch.device("cpu"))
+    shapes = [(8, 4, 3, 3), (16, 8), (8, 36), (4,), (16, 8), (3, 5)]
+    kinds = [(torch.Size(shape), cpu) for shape in shapes]
+    compressed = [True, True, True, False, True, True]
+    groups = group_runs(kinds, compressed, PowerSGD(layout="bucket"))
+    assert [(g.members, g.how) for g in groups] == [([3], "flat"), ([0, 2, 1, 4, 5], "segments")]
+    layout = BucketLayout([torch.Size(shapes[i]) for i in (0, 2, 1, 4, 5)], rank=2)
+    assert [(s.count, s.n, s.m) for s in layout.stacks] == [(2, 8, 36), (2, 16, 8), (1, 3, 5)]
+
+
 def test_one_round_powersgd_goes_one_tensor_at_a_time() -> None:
     """Its bases are per tensor: PowerSGD's stacked exchange (two rounds) is not its own."""
     kinds = [(torch.Size([4, 4]), (torch.float32, torch.device("cuda")))] * 2
@@ -190,6 +203,42 @@ def _train(rank: int, world: int, layout: str) -> list[np.ndarray]:
         model(torch.randn(8, 12, generator=generator)).square().mean().backward()
         opt.step()
     return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def _train_all_compressed(rank: int, world: int, layout: str) -> list[np.ndarray]:
+    """Every tensor compressed (no biases), shapes interleaved: the bucket's one run
+    holds all its tensors, not in the bucket's order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(12, 12, bias=False),
+        nn.Linear(12, 20, bias=False),
+        nn.Linear(20, 12, bias=False),
+        nn.Linear(12, 12, bias=False),
+    )
+    opt = thinwire.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        PowerSGD(rank=2, layout=layout, min_compression=0),
+    )
+    generator = torch.Generator().manual_seed(200 + rank)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 12, generator=generator)).square().mean().backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def train_all_compressed_both_layouts(rank: int, world: int) -> float:
+    """Largest relative difference between the weights trained in either layout."""
+    bucket = _train_all_compressed(rank, world, "bucket")
+    stacks = _train_all_compressed(rank, world, "stacks")
+    pairs = zip(bucket, stacks, strict=True)
+    return max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)) for a, b in pairs)
+
+
+@pytest.mark.multiprocess
+def test_a_bucket_run_out_of_the_buckets_order_trains_the_same(pool2) -> None:
+    assert max(pool2.run(train_all_compressed_both_layouts)) < 1e-4
 
 
 def train_both_layouts(rank: int, world: int) -> float:

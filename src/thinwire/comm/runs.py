@@ -17,7 +17,7 @@ as its math allows:
   segments of one flat tensor;
 - **the whole bucket**: a compressor that takes all its tensors of a bucket at once
   (``Compressor.bucket_as_segments``: PowerSGD on a GPU) gets them side by side as one
-  run of segments, whatever their shapes;
+  run of segments, whatever their shapes (a batching one, with same shapes together);
 - **alone**: every other tensor, one protocol each, as before.
 
 The values each tensor's exchange computes are the same whichever way it runs; a run's
@@ -219,6 +219,8 @@ def group_runs(
         return groups + [Group(g, "flat", True) for g in _by_kind(chosen, kinds, lambda k: k[1])]
     if chosen and compressor.bucket_as_segments(kinds[chosen[0]][1][1]):
         by_kind = _by_kind(chosen, kinds, lambda k: k[1])
+        if compressor.batches:  # one batched product per shape: same shapes side by side
+            by_kind = [_shapes_together(g, kinds) for g in by_kind]
         return groups + [Group(g, "segments", True) for g in by_kind]
     if compressor.batches:
         for g in _by_kind(chosen, kinds, lambda k: k):
@@ -297,6 +299,26 @@ def sums_show(planned: Sequence[Planned], compressor: Compressor, dense: Compres
     return all((compressor if run.compressed else dense).transparent for run in planned)
 
 
+def _shapes_together(members: list[int], kinds: Sequence[Any]) -> list[int]:
+    """``members`` with tensors of one matrix shape (rows, the rest) side by side, each
+    shape where its first tensor was, the bucket's order kept within a shape."""
+    first: dict[tuple[int, ...], int] = {}
+
+    def matrix(i: int) -> tuple[int, ...]:
+        shape = kinds[i][0]
+        return (shape[0], math.prod(shape) // shape[0]) if shape and shape[0] else tuple(shape)
+
+    for i in members:
+        first.setdefault(matrix(i), len(first))
+    return sorted(members, key=lambda i: first[matrix(i)])
+
+
+def in_bucket_order(members: Sequence[int], count: int) -> bool:
+    """Whether a run's ``members`` are all ``count`` tensors of its bucket, in the bucket's
+    order (a run may hold them in another: PowerSGD's groups its shapes)."""
+    return len(members) == count and all(i == m for i, m in enumerate(members))
+
+
 def _by_kind(members: list[int], kinds: Sequence[Any], key: Callable) -> list[list[int]]:
     groups: dict[Any, list[int]] = {}
     for i in members:
@@ -314,7 +336,7 @@ def start_run(
     """Start ``planned``'s protocol up to its first request (``correcteds`` and ``slots``:
     the whole bucket's, by index)."""
     members = planned.members
-    everyone = len(members) == len(correcteds)  # members are distinct: all, in order
+    everyone = in_bucket_order(members, len(correcteds))
     member_slots = slots if everyone else [slots[i] for i in members]  # (not copied: read only)
     member_correcteds = correcteds if everyone else [correcteds[i] for i in members]
     chosen = compressor if planned.compressed else dense
@@ -375,8 +397,10 @@ def whole_bucket(runs: Sequence[Run], known: Survey) -> Tensor | None:
         return None
     run = runs[0]
     outcome = run.outcome
-    if outcome is None or outcome.mean.dim() != 1 or len(run.members) != len(known.sizes):
-        return None  # (a run's members are distinct indices: as many means all, in order)
+    if outcome is None or outcome.mean.dim() != 1:
+        return None
+    if not in_bucket_order(run.members, len(known.sizes)):
+        return None
     if known.dtype != outcome.mean.dtype or outcome.mean.numel() != known.total:
         return None
     return outcome.mean
