@@ -189,13 +189,23 @@ def test_one_round_powersgd_goes_one_tensor_at_a_time() -> None:
     assert [(g.members, g.how) for g in groups] == [([0], "alone"), ([1], "alone")]
 
 
-def _train(rank: int, world: int, layout: str) -> list[np.ndarray]:
-    torch.manual_seed(0)
-    model = nn.Sequential(
+def _model(all_compressed: bool) -> nn.Module:
+    """Biases and a nonlinearity, or (``all_compressed``) bias-free layers of interleaved
+    shapes: then the bucket's one run holds all its tensors, not in the bucket's order."""
+    if all_compressed:
+        shapes = [(12, 12), (12, 20), (20, 12), (12, 12)]
+        return nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in shapes])
+    return nn.Sequential(
         nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 20), nn.Linear(20, 3)
     )
+
+
+def _train(rank: int, layout: str, all_compressed: bool) -> list[np.ndarray]:
+    torch.manual_seed(0)
+    model = _model(all_compressed)
+    compressor = PowerSGD(rank=2, layout=layout, min_compression=0 if all_compressed else 2.0)
     opt = thinwire.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model, PowerSGD(rank=2, layout=layout)
+        torch.optim.SGD(model.parameters(), lr=0.1), model, compressor
     )
     generator = torch.Generator().manual_seed(100 + rank)
     for _ in range(4):
@@ -205,54 +215,22 @@ def _train(rank: int, world: int, layout: str) -> list[np.ndarray]:
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def _train_all_compressed(rank: int, world: int, layout: str) -> list[np.ndarray]:
-    """Every tensor compressed (no biases), shapes interleaved: the bucket's one run
-    holds all its tensors, not in the bucket's order."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(12, 12, bias=False),
-        nn.Linear(12, 20, bias=False),
-        nn.Linear(20, 12, bias=False),
-        nn.Linear(12, 12, bias=False),
-    )
-    opt = thinwire.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        model,
-        PowerSGD(rank=2, layout=layout, min_compression=0),
-    )
-    generator = torch.Generator().manual_seed(200 + rank)
-    for _ in range(4):
-        opt.zero_grad()
-        model(torch.randn(8, 12, generator=generator)).square().mean().backward()
-        opt.step()
-    return [p.detach().numpy().copy() for p in model.parameters()]
-
-
-def train_all_compressed_both_layouts(rank: int, world: int) -> float:
+def train_both_layouts(rank: int, world: int, all_compressed: bool) -> float:
     """Largest relative difference between the weights trained in either layout."""
-    bucket = _train_all_compressed(rank, world, "bucket")
-    stacks = _train_all_compressed(rank, world, "stacks")
+    bucket = _train(rank, "bucket", all_compressed)
+    stacks = _train(rank, "stacks", all_compressed)
     pairs = zip(bucket, stacks, strict=True)
     return max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)) for a, b in pairs)
 
 
 @pytest.mark.multiprocess
-def test_a_bucket_run_out_of_the_buckets_order_trains_the_same(pool2) -> None:
-    assert max(pool2.run(train_all_compressed_both_layouts)) < 1e-4
-
-
-def train_both_layouts(rank: int, world: int) -> float:
-    """Largest relative difference between the weights trained in either layout."""
-    bucket = _train(rank, world, "bucket")
-    stacks = _train(rank, world, "stacks")
-    return max(
-        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)) for a, b in zip(bucket, stacks)
-    )
+def test_two_ranks_train_the_same_in_either_layout(pool2) -> None:
+    assert max(pool2.run(train_both_layouts, False)) < 1e-4
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_train_the_same_in_either_layout(pool2) -> None:
-    assert max(pool2.run(train_both_layouts)) < 1e-4
+def test_a_bucket_run_out_of_the_buckets_order_trains_the_same(pool2) -> None:
+    assert max(pool2.run(train_both_layouts, True)) < 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
