@@ -101,6 +101,23 @@ def test_ddp_starts_from_rank_0s_model_sending_only_what_differs(pool, seed_by_r
     assert sent0 == sent1 == expected  # BatchNorm's own weights start equal on every rank
 
 
+def _ddp_start_asked(rank: int, world: int) -> tuple[bool, list[float]]:
+    """``WrapSetup.ddp`` with the caller's own ``init_sync=True`` (``extra`` overrides)."""
+    from thinwire.strategies import base
+
+    torch.manual_seed(rank)  # the ranks start apart: DDP's own copy makes them equal
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    ddp = base.WrapSetup().ddp(model, init_sync=True, broadcast_buffers=False)
+    values = [v for t in ddp.module.state_dict().values() for v in t.flatten().tolist()]
+    return ddp.broadcast_buffers, values
+
+
+@pytest.mark.timeout(120)
+def test_the_callers_own_ddp_options_override_the_setups(pool) -> None:
+    (buffers0, values0), (buffers1, values1) = pool.run(_ddp_start_asked, timeout=90)
+    assert values0 == values1 and buffers0 is buffers1 is False
+
+
 def _ignored_stay_apart(rank: int, world: int) -> tuple[list[str], list[float]]:
     from torch.nn.parallel import DistributedDataParallel
 

@@ -54,6 +54,8 @@ class Run:
     #: the outcome split per member (``False``: without each one's sent indices)
     split: Callable[[Exchanged, bool], list[Exchanged]]
     request: Any = None
+    #: whether ``members`` are all the bucket's tensors in its order (:func:`in_bucket_order`)
+    in_order: bool = False
     #: the protocol's outcome once it returned, before it is split per member
     outcome: Exchanged | None = None
     _results: list[Exchanged] | None = None
@@ -353,6 +355,7 @@ def start_run(
         protocol = chosen.exchange_stacked(planned.tensor, member_slots)
         split = _split_stacked(len(members))
     run = Run(members, member_slots, planned.compressed, member_correcteds, protocol, split)
+    run.in_order = everyone
     run.advance(None)
     return run
 
@@ -397,9 +400,7 @@ def whole_bucket(runs: Sequence[Run], known: Survey) -> Tensor | None:
         return None
     run = runs[0]
     outcome = run.outcome
-    if outcome is None or outcome.mean.dim() != 1:
-        return None
-    if not in_bucket_order(run.members, len(known.sizes)):
+    if outcome is None or outcome.mean.dim() != 1 or not run.in_order:
         return None
     if known.dtype != outcome.mean.dtype or outcome.mean.numel() != known.total:
         return None

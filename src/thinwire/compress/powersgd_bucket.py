@@ -180,9 +180,9 @@ def _split(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
 
 class BucketState:
     """What one bucket layout keeps from step to step: its output buffers (overwritten
-    by the next step, as the stacked path's), the padded P^T stack (zero where nothing
-    goes), the spare rows that refill dead rows of a warm start, and the last warm start
-    with the per-matrix views of it that ``PowerSGD.warm`` holds."""
+    by the next step, as the stacked path's), the spare rows that refill dead rows of a
+    warm start, and the last warm start with the per-matrix views of it that
+    ``PowerSGD.warm`` holds."""
 
     def __init__(self, layout: BucketLayout, spare: Tensor, like: Tensor) -> None:
         self.layout = layout
@@ -190,7 +190,6 @@ class BucketState:
         self.local = like.new_empty(layout.numel)
         #: each stack's part of the outputs
         self.means, self.locals = layout.values(self.mean), layout.values(self.local)
-        self.padded = like.new_zeros(layout.padded_shape)
         self.spare = spare
         self.warm: tuple[Tensor, list[Tensor]] | None = None
 
@@ -208,10 +207,9 @@ def exchange_bucket(
     for qt, values, pt in zip(layout.q(warm_start), matrices, layout.p(pts), strict=True):
         torch.bmm(qt, values.transpose(1, 2), out=pt)
     (pt_sum,) = yield Request.sum(pts)
-    padded = state.padded
+    padded = pt_sum.new_zeros(layout.padded_shape)
     padded.view(-1).index_copy_(0, layout.places(flat.device), pt_sum)
-    # on a copy: a NaN reflected into the padding would stay there for good
-    orthonormal = layout.orthonormal(householder_rows(padded.clone()))
+    orthonormal = layout.orthonormal(householder_rows(padded))
     qts = flat.new_empty(layout.q_numel)
     qt_locals = layout.q(qts)
     for pt, values, qt in zip(orthonormal, matrices, qt_locals, strict=True):

@@ -82,9 +82,10 @@ class WrapSetup:
         options = {**buffer_sync_options(self.broadcast_buffers)}
         if "bucket_cap_mb" not in extra:
             options.update(ddp_bucket_options(self.bucket_cap_mb, model))
-        copy_module_states(model, extra.get("process_group"))  # only what differs
+        if not extra.get("init_sync", False):  # unless DDP's own whole-model copy is asked for
+            copy_module_states(model, extra.get("process_group"))  # only what differs
         options["init_sync"] = False  # so DDP does not send the whole model again
-        return DistributedDataParallel(model, **options, **extra)
+        return DistributedDataParallel(model, **{**options, **extra})
 
 
 class Strategy(ABC):
