@@ -204,8 +204,14 @@ def test_stochastic_segments_are_unbiased_and_on_their_grid(name: str) -> None:
 
 @pytest.mark.parametrize(
     "shapes",
-    [[(30, 20), (7, 9), (64, 64)], [(32, 32), (32, 32), (32, 32)]],
-    ids=["sizes-apart", "one-size"],  # one size: no padding, one k: no sort (the fast path)
+    [
+        [(30, 20), (7, 9), (64, 64)],
+        [(32, 32), (32, 32), (32, 32)],
+        [(16, 16), (16,), (16, 16), (16,), (7, 9), (16, 16)],
+    ],
+    # one size: no padding, one k: no sort (the fast path); interleaved: the CPU takes
+    # each size's tensors together, gathered from between the others, and puts them back
+    ids=["sizes-apart", "one-size", "interleaved"],
 )
 @pytest.mark.parametrize("name", ["topk", "dgc"])
 def test_sparse_segments_send_each_tensors_own_top_k(name: str, shapes: list) -> None:
@@ -227,6 +233,33 @@ def test_sparse_segments_send_each_tensors_own_top_k(name: str, shapes: list) ->
         dense = torch.zeros(grad.numel())
         dense[expected] = grad.reshape(-1)[expected]
         assert torch.equal(piece.mean.reshape(-1), dense)  # one rank: what it sent
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(16, 16), (16,), (16, 16), (16,), (7, 9), (16, 16)],  # sizes interleaved
+        [(8, 8), (8, 8), (3,), (3,), (40,)],  # each size's tensors one after another
+        [(5, 5), (2, 2)],  # one tensor per size
+    ],
+)
+def test_segmented_top_k_by_size_equals_the_padded_matrix(shapes: list) -> None:
+    """The CPU's way (each size's tensors together) and the padded matrix's (a GPU's)
+    select the same entries in the same order of tensors, each tensor's own top k."""
+    from thinwire.compress.topk import SegmentedTopK
+
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(shape, generator=gen) for shape in shapes]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    layout = SegmentedTopK([g.shape for g in grads], 0.1)
+    by_size, padded = layout.select(flat), layout.select(flat, padded=True)
+    offset, start = 0, 0
+    for grad, k in zip(grads, layout.ks, strict=True):
+        own = torch.topk(grad.reshape(-1).abs(), k).indices + offset
+        for chosen in (by_size, padded):
+            assert sorted(chosen[start : start + k].tolist()) == sorted(own.tolist())
+        offset, start = offset + grad.numel(), start + k
+    assert start == by_size.numel() == padded.numel()
 
 
 @pytest.mark.parametrize("memory_kind", ["residual", "dgc", "dgc-masking"])
@@ -368,30 +401,41 @@ def test_a_whole_bucket_with_an_empty_tensor_still_goes_through_the_compressor()
     assert everything[0].tensor is buffer
 
 
-@pytest.mark.parametrize("memory_kind", ["residual", "dgc", "dgc-masking"])
+@pytest.mark.parametrize("memory_kind", ["residual", "dgc", "dgc-masking", "dgc-decay"])
 def test_a_memory_laid_out_by_run_keeps_the_same_bits(memory_kind: str) -> None:
     """A memory holding a run's buffers side by side (``arrange``) compensates to one
-    flat tensor without a copy and zeroes the run's sent entries in one operation, with
-    the same bits as a memory holding each tensor alone, through a refused step and a
-    state loaded from the other."""
+    flat tensor without a copy, in a few operations over the whole run (its gradients
+    copied in side by side; with DGC's weight decay, per tensor), and zeroes the run's
+    sent entries in one operation, with the same bits as a memory holding each tensor
+    alone, through a refused step and a state loaded from the other."""
     from thinwire.compress.base import Exchanged, RunUpdate
     from thinwire.compress.feedback import DGCMemory, ResidualMemory
 
     def make() -> object:
         if memory_kind == "residual":
             return ResidualMemory()
-        return DGCMemory(momentum=0.9, weight_decay=0.01, masking=memory_kind == "dgc-masking")
+        decay = 0.01 if memory_kind == "dgc-decay" else 0.0
+        return DGCMemory(momentum=0.9, weight_decay=decay, masking=memory_kind == "dgc-masking")
 
     gen = torch.Generator().manual_seed(3)
     shapes = [(5, 4), (7,), (2, 3, 2)]
     params = [torch.randn(shape, generator=gen) for shape in shapes]
     keys = [f"p{i}" for i in range(len(shapes))]
     arranged, alone = make(), make()
+    together = []  # steps whose run was compensated as one
+    begin_flat = arranged._buffers.begin_flat
+
+    def spy(*args: object) -> object:
+        begun = begin_flat(*args)
+        together.append(begun is not None)
+        return begun
+
+    arranged._buffers.begin_flat = spy
     for step in range(6):
         grads = [torch.randn(p.shape, generator=gen) for p in params]
         slots = [Slot(key, step, world_size=2) for key in keys]
         arranged.arrange(keys, grads)
-        ours = arranged.compensate_many(grads, slots, params)
+        ours = arranged.compensate_many(grads, slots, params, [[0, 1, 2]])
         theirs = alone.compensate_many(grads, slots, params)
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
         assert side_by_side(ours) is not None  # laid out: a run's tensor is a view
@@ -423,6 +467,39 @@ def test_a_memory_laid_out_by_run_keeps_the_same_bits(memory_kind: str) -> None:
         for name, tensors in alone.state_dict().items():
             for key, tensor in tensors.items():
                 assert torch.equal(arranged.state_dict()[name][key], tensor), (step, key)
+    # laid out at the first step, again after the load; with weight decay, never as one
+    expected = [] if memory_kind == "dgc-decay" else [True] * 6
+    assert together == expected
+
+
+def test_a_memory_compensates_its_groups_as_one_and_the_rest_per_tensor() -> None:
+    """Groups of a bucket's tensors laid out apart (not in the bucket's order, one
+    tensor in none) compensate as one each, the rest per tensor: the same bits as alone."""
+    from thinwire.compress.feedback import DGCMemory, ResidualMemory
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(4, 4), (3,), (2, 5), (6,), (3, 3)]
+    keys = [f"p{i}" for i in range(len(shapes))]
+    groups = [[4, 0], [1, 3]]
+    for make in (ResidualMemory, lambda: DGCMemory(momentum=0.5)):
+        arranged, alone = make(), make()
+        for step in range(3):
+            grads = [torch.randn(shape, generator=gen) for shape in shapes]
+            slots = [Slot(key, step, world_size=1) for key in keys]
+            for group in groups:
+                arranged.arrange([keys[i] for i in group], [grads[i] for i in group])
+            ours = arranged.compensate_many(grads, slots, [None] * 5, groups)
+            theirs = alone.compensate_many(grads, slots, [None] * 5)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+            if step > 0:  # laid out by then: a group's tensors are views of one block
+                assert side_by_side([ours[4], ours[0]]) is not None
+                assert side_by_side([ours[1], ours[3]]) is not None
+            for c in ours:
+                c.mul_(0.5)  # half of each kept, as if half had been sent
+            arranged.commit()
+            for c in theirs:
+                c.mul_(0.5)
+            alone.commit()
 
 
 @pytest.mark.parametrize("name", ["onebit", "signsgd", "terngrad", "qsgd", "dgc", "topk"])

@@ -278,10 +278,11 @@ class GradientExchange:
         plain = isinstance(self.memory, NoMemory)
         if plain and known.dtype == torch.float32:  # nothing to compensate or convert
             correcteds = grads
-        else:
-            if not plain:
-                arrange_memory(self.memory, grads, slots, compressed, self.compressor)
+        elif plain:
             correcteds = self.memory.compensate_many(grads, slots, known.params)
+        else:
+            groups = arrange_memory(self.memory, grads, slots, compressed, self.compressor)
+            correcteds = self.memory.compensate_many(grads, slots, known.params, groups)
         lazy = self._lazy(items)
         checks = FiniteChecks(defer=lazy)  # of the gradient, or what the memory added to it
         own = correcteds is grads or all(c is g for c, g in zip(correcteds, grads, strict=True))

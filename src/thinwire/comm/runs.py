@@ -282,16 +282,20 @@ def arrange_memory(
     slots: Sequence[Slot],
     compressed: Sequence[bool],
     compressor: Compressor,
-) -> None:
+) -> list[list[int]]:
     """Have ``memory`` hold the state of each run to be side by side
     (:meth:`~thinwire.compress.base.Memory.arrange`): a run of what it compensates to is
     then one flat tensor without a copy, and its sent entries are zeroed at once. The
-    runs are grouped as :func:`plan_runs` will group the memory's fp32 buffers."""
+    runs are grouped as :func:`plan_runs` will group the memory's fp32 buffers. Returns
+    the positions of each group so arranged."""
     kinds = [(g.shape, (torch.float32, g.device)) for g in grads]
+    arranged = []
     for group in group_runs(kinds, compressed, compressor):
         if len(group.members) > 1:
             keys = [slots[i].key for i in group.members]
             memory.arrange(keys, [grads[i] for i in group.members])
+            arranged.append(group.members)
+    return arranged
 
 
 def sums_show(planned: Sequence[Planned], compressor: Compressor, dense: Compressor) -> bool:
@@ -371,11 +375,25 @@ class Means(Sequence[Tensor]):
     ``flat``: all of them side by side in one tensor when one flat run carried the whole
     bucket in its dtype (a DDP hook hands DDP that tensor itself), else ``None``."""
 
-    def __init__(self, build: Callable[[], list[Tensor]], count: int, flat: Tensor | None):
+    def __init__(
+        self,
+        build: Callable[[], list[Tensor]],
+        count: int,
+        flat: Tensor | None,
+        pieces: Callable[[], list[tuple[Tensor, Tensor]] | None] = lambda: None,
+    ):
         self._build: Callable[[], list[Tensor]] | None = build
         self._means: list[Tensor] = []
         self._count = count
         self.flat = flat
+        self._pieces = pieces
+
+    def pieces(self) -> list[tuple[Tensor, Tensor]] | None:
+        """``(positions, flat mean)`` of each run, where several side-by-side runs carried
+        the whole bucket in its dtype: the positions of a run's values among the bucket's
+        values side by side (a DDP hook puts each run's mean into the bucket's buffer in
+        one operation); else ``None``."""
+        return self._pieces()
 
     def _all(self) -> list[Tensor]:
         if self._build is not None:
@@ -410,7 +428,23 @@ def whole_bucket(runs: Sequence[Run], known: Survey) -> Tensor | None:
 def bucket_means(runs: Sequence[Run], grads: Sequence[Tensor], known: Survey) -> Means:
     """The means of a bucket of ``grads`` (``known``: its survey) that ``runs``
     exchanged, made on first use."""
-    return Means(lambda: run_means(runs, grads), len(grads), whole_bucket(runs, known))
+    whole = whole_bucket(runs, known)
+    return Means(lambda: run_means(runs, grads), len(grads), whole, lambda: run_pieces(runs, known))
+
+
+def run_pieces(runs: Sequence[Run], known: Survey) -> list[tuple[Tensor, Tensor]] | None:
+    """:meth:`Means.pieces` of ``runs``: where each run's mean is one flat tensor in the
+    gradients' dtype and the runs carry every gradient of the bucket once, each mean
+    with the positions of its values in the bucket; else ``None``."""
+    if len(runs) < 2 or known.dtype is None:
+        return None
+    means = [run.outcome.mean if run.outcome is not None else None for run in runs]
+    if any(m is None or m.dim() != 1 or m.dtype != known.dtype for m in means):
+        return None
+    positions = known.positions(tuple(tuple(run.members) for run in runs), means[0].device)
+    if positions is None:
+        return None
+    return list(zip(positions, means, strict=True))
 
 
 def run_means(runs: Sequence[Run], grads: Sequence[Tensor]) -> list[Tensor]:

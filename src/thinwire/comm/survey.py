@@ -39,6 +39,18 @@ class Survey:
     #: the gradients' dtype, where they share one (else ``None``)
     dtype: torch.dtype | None
     _slots: tuple[tuple[int, int, int], StepSlots] | None = field(default=None, repr=False)
+    _positions: dict[Any, list[Tensor] | None] = field(default_factory=dict, repr=False)
+
+    def positions(
+        self, runs: tuple[tuple[int, ...], ...], device: torch.device
+    ) -> list[Tensor] | None:
+        """For runs of these members (positions in the bucket), where they hold every
+        gradient once: the positions of each run's values among the bucket's values side
+        by side (made once per grouping and device); else ``None``."""
+        key = (runs, device)
+        if key not in self._positions:
+            self._positions[key] = _run_positions(runs, self.sizes, device)
+        return self._positions[key]
 
     def slots(self, step: int, world_size: int, rank: int) -> StepSlots:
         """Each tensor's slot at ``step`` (made once per step, each when first asked for:
@@ -66,6 +78,20 @@ class StepSlots(Sequence[Slot]):
         if made is None:
             made = self._made[index] = Slot(self._keys[index], *self._where)
         return made
+
+
+def _run_positions(
+    runs: tuple[tuple[int, ...], ...], sizes: list[int], device: torch.device
+) -> list[Tensor] | None:
+    if sorted(i for members in runs for i in members) != list(range(len(sizes))):
+        return None
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    return [
+        torch.cat([torch.arange(starts[i], starts[i] + sizes[i]) for i in members]).to(device)
+        for members in runs
+    ]
 
 
 def survey(items: Sequence[Any], compressor: Compressor) -> Survey:

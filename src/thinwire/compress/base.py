@@ -308,9 +308,15 @@ class Memory(ABC):
         """
 
     def compensate_many(
-        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+        self,
+        grads: Sequence[Tensor],
+        slots: Sequence[Slot],
+        params: Sequence[Tensor | None],
+        groups: Sequence[Sequence[int]] = (),
     ) -> list[Tensor]:
-        """:meth:`compensate` for each of a bucket's gradients (memories may batch it)."""
+        """:meth:`compensate` for each of a bucket's gradients (memories may batch it;
+        ``groups``: the positions of each group of gradients whose state :meth:`arrange`
+        laid out side by side)."""
         return [self.compensate(g, s, p) for g, s, p in zip(grads, slots, params, strict=True)]
 
     def update_many(

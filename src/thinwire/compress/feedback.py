@@ -35,126 +35,7 @@ from torch import Tensor
 
 from thinwire.compress.base import Compressor, Exchanged, Memory, RunUpdate, Slot, is_real
 from thinwire.compress.segments import side_by_side
-
-
-class StepBuffers:
-    """Per-key fp32 state (``count`` tensors per key), kept twice so a step can be undone.
-
-    :meth:`begin` hands out the state the last committed step left (zeros for a new key or
-    shape) and buffers for the state this step writes; the step's state is *pending* until
-    :meth:`commit` keeps it or :meth:`rollback` drops it. A key's pending state is also
-    kept when the key begins again, so a caller that never commits still carries its
-    state from one exchange to the next. The buffers a commit retires hold the next
-    step's state.
-    """
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.kept: dict[str, tuple[Tensor, ...]] = {}
-        self._pending: dict[str, tuple[Tensor, ...]] = {}
-        self._spare: dict[str, tuple[Tensor, ...]] = {}
-        #: bumped whenever a buffer is made or replaced other than by a step's swap
-        self._version = 0
-        #: groups of keys laid out side by side, and the version they were checked at
-        self._arranged: dict[tuple[str, ...], int] = {}
-
-    def arrange(self, keys: Sequence[str], likes: Sequence[Tensor]) -> None:
-        """Lay the state of ``keys`` (shaped as ``likes``) out side by side, in this
-        order, in one block per state tensor and per set (kept and spare), keeping its
-        values. Since every key of a group begins, commits and rolls back together, a
-        step's swap keeps the blocks whole: this copies once, then checks nothing until
-        some buffer is made or replaced."""
-        group = tuple(keys)
-        if len(group) < 2 or self._arranged.get(group) == self._version:
-            return
-        for key in group:
-            self._keep(key)
-        if not self._side_by_side(group, likes):
-            self._lay_out(group, likes)
-        self._arranged[group] = self._version
-
-    def _side_by_side(self, keys: tuple[str, ...], likes: Sequence[Tensor]) -> bool:
-        for states in (self.kept, self._spare):
-            held = [states.get(key) for key in keys]
-            shapes = zip(held, likes, strict=True)
-            if any(h is None or h[0].shape != like.shape for h, like in shapes):
-                return False
-            for c in range(self.count):
-                if side_by_side([h[c] for h in held if h is not None]) is None:
-                    return False
-        return True
-
-    def _lay_out(self, keys: tuple[str, ...], likes: Sequence[Tensor]) -> None:
-        total = sum(like.numel() for like in likes)
-        device = likes[0].device
-        blocks = [
-            [torch.zeros(total, dtype=torch.float32, device=device) for _ in range(self.count)]
-            for _ in range(2)
-        ]
-        offset = 0
-        for key, like in zip(keys, likes, strict=True):
-            end = offset + like.numel()
-            kept, spare = (tuple(b[offset:end].view(like.shape) for b in set_) for set_ in blocks)
-            old = self.kept.get(key)
-            if old is not None and old[0].shape == like.shape:
-                torch._foreach_copy_(list(kept), list(old))
-            self.kept[key], self._spare[key] = kept, spare
-            offset = end
-        self._version += 1
-
-    def begin(self, key: str, like: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """``(kept, fresh)`` for ``key``: its committed state, and the buffers (contents
-        undefined) that this step writes its new state into."""
-        self._keep(key)
-        kept = self.kept.get(key)
-        if kept is None or kept[0].shape != like.shape:
-            kept = self._new(like, torch.zeros)
-            self.kept[key] = kept
-        fresh = self._spare.pop(key, None)
-        if fresh is None or fresh[0].shape != like.shape:
-            fresh = self._new(like, torch.empty)
-        self._pending[key] = fresh
-        return kept, fresh
-
-    def current(self, key: str) -> tuple[Tensor, ...]:
-        """``key``'s newest state: this step's if it began, else the committed one."""
-        return self._pending.get(key) or self.kept[key]
-
-    def latest(self) -> dict[str, tuple[Tensor, ...]]:
-        """Every key's newest state (:meth:`current`)."""
-        return {**self.kept, **self._pending}
-
-    def commit(self) -> None:
-        """Keep every pending state."""
-        for key in list(self._pending):
-            self._keep(key)
-
-    def rollback(self) -> None:
-        """Drop every pending state; its buffers serve the next step."""
-        self._spare.update(self._pending)
-        self._pending.clear()
-
-    def load(self, kept: dict[str, tuple[Tensor, ...]]) -> None:
-        """Replace the committed state; nothing is pending afterwards."""
-        self.kept = dict(kept)
-        self._pending.clear()
-        self._spare.clear()
-        self._version += 1
-
-    def _keep(self, key: str) -> None:
-        fresh = self._pending.pop(key, None)
-        if fresh is None:
-            return
-        retired = self.kept.get(key)
-        self.kept[key] = fresh
-        if retired is not None and retired[0].shape == fresh[0].shape:
-            self._spare[key] = retired
-
-    def _new(self, like: Tensor, make: Any) -> tuple[Tensor, ...]:
-        self._version += 1
-        return tuple(
-            make(like.shape, dtype=torch.float32, device=like.device) for _ in range(self.count)
-        )
+from thinwire.compress.step_buffers import StepBuffers
 
 
 class NoMemory(Memory):
@@ -165,7 +46,11 @@ class NoMemory(Memory):
         return grad if grad.dtype == torch.float32 else grad.float()
 
     def compensate_many(
-        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+        self,
+        grads: Sequence[Tensor],
+        slots: Sequence[Slot],
+        params: Sequence[Tensor | None],
+        groups: Sequence[Sequence[int]] = (),
     ) -> list[Tensor]:
         """Every gradient in fp32 (the same tensors where they are)."""
         return [g if g.dtype == torch.float32 else g.float() for g in grads]
@@ -196,17 +81,32 @@ class ResidualMemory(Memory):
         _subtract_sent(corrected, sent)
 
     def compensate_many(
-        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+        self,
+        grads: Sequence[Tensor],
+        slots: Sequence[Slot],
+        params: Sequence[Tensor | None],
+        groups: Sequence[Sequence[int]] = (),
     ) -> list[Tensor]:
-        """:meth:`compensate` for a bucket, in two multi-tensor operations."""
+        """:meth:`compensate` for a bucket: two operations for each group of ``groups``
+        (its gradients copied side by side into its buffers, its residuals added), two
+        multi-tensor operations for the rest; the same arithmetic as one by one."""
         if not _uniform(grads):
             return super().compensate_many(grads, slots, params)
-        begun = [self._buffers.begin(s.key, g) for g, s in zip(grads, slots, strict=True)]
+
+        def together(kept: tuple[Tensor, ...], fresh: tuple[Tensor, ...], gs: list) -> None:
+            torch.cat([g.reshape(-1) for g in gs], out=fresh[0]).add_(kept[0])
+
+        done = _compensate_groups(self._buffers, grads, slots, groups, together)
+        rest = [i for i, state in enumerate(done) if state is None]
+        begun = [self._buffers.begin(slots[i].key, grads[i]) for i in rest]
         residuals = [kept[0] for kept, _ in begun]
+        for i, (_, fresh) in zip(rest, begun, strict=True):
+            done[i] = fresh
         correcteds = [fresh[0] for _, fresh in begun]
-        torch._foreach_copy_(correcteds, residuals)
-        torch._foreach_add_(correcteds, list(grads))
-        return correcteds
+        if begun:
+            torch._foreach_copy_(correcteds, residuals)
+            torch._foreach_add_(correcteds, [grads[i] for i in rest])
+        return _first(done)
 
     def update_many(
         self,
@@ -303,27 +203,47 @@ class DGCMemory(Memory):
         return torch.add(v_kept, u, out=v)
 
     def compensate_many(
-        self, grads: Sequence[Tensor], slots: Sequence[Slot], params: Sequence[Tensor | None]
+        self,
+        grads: Sequence[Tensor],
+        slots: Sequence[Slot],
+        params: Sequence[Tensor | None],
+        groups: Sequence[Sequence[int]] = (),
     ) -> list[Tensor]:
-        """:meth:`compensate` for a bucket in a few multi-tensor operations (the same
-        arithmetic, in the same order); with clipping, one tensor at a time."""
+        """:meth:`compensate` for a bucket: for each group of ``groups`` four operations
+        over its side-by-side state (without weight decay), for the rest a few
+        multi-tensor operations; the same arithmetic, in the same order, as one by one.
+        With clipping, one tensor at a time."""
         if self.max_norm is not None or not _uniform(grads):
             return super().compensate_many(grads, slots, params)
-        begun = [self._buffers.begin(s.key, g) for g, s in zip(grads, slots, strict=True)]
-        us = [fresh[0] for _, fresh in begun]
-        vs = [fresh[1] for _, fresh in begun]
-        torch._foreach_copy_(us, [kept[0] for kept, _ in begun])
-        torch._foreach_mul_(us, self.momentum)
-        torch._foreach_add_(us, list(grads))
-        if self.weight_decay:
-            decayed = [(u, p.detach()) for u, p in zip(us, params, strict=True) if p is not None]
-            if decayed:
+
+        def together(kept: tuple[Tensor, ...], fresh: tuple[Tensor, ...], gs: list) -> None:
+            (u_kept, v_kept), (u, v) = kept, fresh
+            torch.mul(u_kept, self.momentum, out=v)  # v holds m * u until it is written
+            torch.cat([g.reshape(-1) for g in gs], out=u).add_(v)
+            torch.add(v_kept, u, out=v)
+
+        done = _compensate_groups(
+            self._buffers, grads, slots, () if self.weight_decay else groups, together
+        )
+        rest = [i for i, state in enumerate(done) if state is None]
+        begun = [self._buffers.begin(slots[i].key, grads[i]) for i in rest]
+        for i, (_, fresh) in zip(rest, begun, strict=True):
+            done[i] = fresh
+        if begun:
+            us = [fresh[0] for _, fresh in begun]
+            vs = [fresh[1] for _, fresh in begun]
+            torch._foreach_copy_(us, [kept[0] for kept, _ in begun])
+            torch._foreach_mul_(us, self.momentum)
+            torch._foreach_add_(us, [grads[i] for i in rest])
+            decayed = [(u, params[i]) for u, i in zip(us, rest, strict=True)]
+            decayed = [(u, p.detach()) for u, p in decayed if p is not None]
+            if self.weight_decay and decayed:
                 torch._foreach_add_(
                     [u for u, _ in decayed], [p for _, p in decayed], alpha=self.weight_decay
                 )
-        torch._foreach_copy_(vs, [kept[1] for kept, _ in begun])
-        torch._foreach_add_(vs, us)
-        return vs
+            torch._foreach_copy_(vs, [kept[1] for kept, _ in begun])
+            torch._foreach_add_(vs, us)
+        return _second(done)
 
     def update_many(
         self,
@@ -422,6 +342,41 @@ def _uniform(grads: Sequence[Tensor]) -> bool:
         return False
     device = grads[0].device
     return all(g.dtype == torch.float32 and g.device == device for g in grads)
+
+
+def _compensate_groups(
+    buffers: StepBuffers,
+    grads: Sequence[Tensor],
+    slots: Sequence[Slot],
+    groups: Sequence[Sequence[int]],
+    together: Callable[[tuple[Tensor, ...], tuple[Tensor, ...], list[Tensor]], None],
+) -> list[tuple[Tensor, ...] | None]:
+    """Begin each of ``groups`` whose state lies side by side (:meth:`StepBuffers.begin_flat`)
+    and compensate it at once, ``together(kept flats, fresh flats, its gradients)``; per
+    gradient its fresh state where its group was done so, else ``None``."""
+    done: list[tuple[Tensor, ...] | None] = [None] * len(grads)
+    for members in groups:
+        if len(members) < 2:
+            continue
+        group_grads = [grads[i] for i in members]
+        begun = buffers.begin_flat([slots[i].key for i in members], group_grads)
+        if begun is None:
+            continue
+        fresh, kept_flats, fresh_flats = begun
+        together(kept_flats, fresh_flats, group_grads)
+        for i, state in zip(members, fresh, strict=True):
+            done[i] = state
+    return done
+
+
+def _first(states: list[tuple[Tensor, ...] | None]) -> list[Tensor]:
+    """Each state's first tensor (every state set)."""
+    return [state[0] for state in states if state is not None]
+
+
+def _second(states: list[tuple[Tensor, ...] | None]) -> list[Tensor]:
+    """Each state's second tensor (every state set)."""
+    return [state[1] for state in states if state is not None]
 
 
 def _update_runs(runs: Sequence[RunUpdate], mask: Callable[[RunUpdate, bool], None] | None) -> None:

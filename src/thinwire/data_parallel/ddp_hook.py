@@ -253,10 +253,16 @@ def _into_bucket(
 ) -> torch.Tensor:
     """What DDP gets for a bucket: the engine's flat mean itself when it covers the bucket
     in the buffer's order (DDP copies it into the gradients, as it does the result of its
-    own all-reduce), else ``buffer`` with each mean copied into its view."""
+    own all-reduce), else ``buffer`` with each run's flat mean put into its places, or
+    each mean copied into its view."""
     flat = getattr(means, "flat", None) if in_buffer_order else None
     if flat is not None and flat.shape == buffer.shape and flat.dtype == buffer.dtype:
         return flat
+    pieces = means.pieces() if in_buffer_order and hasattr(means, "pieces") else None
+    if pieces is not None and buffer.dtype == pieces[0][1].dtype:
+        for positions, mean in pieces:  # each run's mean into its places, at once
+            buffer.index_copy_(0, positions, mean)
+        return buffer
     for view, mean in zip(views, means, strict=True):
         view.copy_(mean)
     return buffer
