@@ -14,7 +14,10 @@ Sampling k of n without replacement: ``torch.randperm(n)`` costs O(n) (almost a 
 (a sort), topped up if duplicates left fewer than k, and cut down to k by a random subset.
 Every step of that is symmetric under relabelling the n entries, so the result is a
 uniformly random k-subset: each entry is kept with probability exactly k/n. Once k is a
-large part of n, ``randperm`` is as cheap as the draws and is used instead.
+large part of n, ``randperm`` is as cheap as the draws and is used instead. Small tensors
+(up to :data:`~thinwire.compress.segments.SMALL` values), alone or a bucket's side by side,
+take their subsets from a counter-based generator instead, all of them in a fixed number
+of operations (:mod:`thinwire.compress.shared_subsets`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from thinwire.compress.base import (
 from thinwire.compress.feedback import NoMemory, ResidualMemory
 from thinwire.compress.registry import register_compressor
 from thinwire.compress.segments import SMALL
-from thinwire.compress.topk import SegmentedTopK
+from thinwire.compress.shared_subsets import SharedSubsets
 
 
 @register_compressor
@@ -68,7 +71,7 @@ class RandomK(Compressor):
     segmented = True
 
     def __post_init__(self) -> None:
-        self._layouts: dict[tuple[torch.Size, ...], SegmentedTopK] = {}
+        self._layouts: dict[tuple[int, ...], SharedSubsets] = {}
         self.density = check_fraction("density", self.density)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -86,21 +89,25 @@ class RandomK(Compressor):
 
     def indices(self, numel: int, slot: Slot) -> Tensor:
         """The sorted flat indices kept at ``slot``: the same on every rank. A small
-        tensor keeps the k largest of its :func:`scores` (as it does side by side with
+        tensor keeps the subset :meth:`subsets` draws for it (as it does side by side with
         others, :meth:`exchange_segmented`), a larger one a sample drawn in O(k)."""
         k = num_selected(numel, self.density)
         if numel <= SMALL:
-            return torch.topk(self.scores(numel, slot), k).indices.sort().values
+            return self.subsets((numel,)).pick([self.subset_seed(slot)])
         generator = torch.Generator().manual_seed(stable_seed(self.seed, slot.key, slot.step))
         return sample_without_replacement(numel, k, generator)
 
-    def scores(self, numel: int, slot: Slot) -> Tensor:
-        """Uniform fp64 scores of a small tensor's entries at ``slot``, from the shared
-        seed, its key and the step (fp64: ties, which two ways of taking the top k could
-        break differently, practically never happen)."""
-        seed = stable_seed(self.seed, slot.key, slot.step, "scores")
-        generator = torch.Generator().manual_seed(seed)
-        return torch.rand(numel, generator=generator, dtype=torch.float64)
+    def subsets(self, sizes: tuple[int, ...]) -> SharedSubsets:
+        """The draws for small tensors of ``sizes`` side by side (made once per layout)."""
+        layout = self._layouts.get(sizes)
+        if layout is None:
+            ks = [num_selected(n, self.density) for n in sizes]
+            layout = self._layouts.setdefault(sizes, SharedSubsets(sizes, ks))
+        return layout
+
+    def subset_seed(self, slot: Slot) -> int:
+        """A small tensor's seed at ``slot``: from the shared seed, its key and the step."""
+        return stable_seed(self.seed, slot.key, slot.step, "subset")
 
     def exchange(self, tensor: Tensor, slot: Slot) -> Exchange:
         """Sum the values at the shared indices over ranks and scatter them."""
@@ -120,21 +127,16 @@ class RandomK(Compressor):
         self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
     ) -> Exchange:
         """:meth:`exchange` for small tensors side by side in ``flat``: each tensor keeps
-        a uniformly random k-subset of its entries (the k largest of uniform scores drawn
-        from the shared seed, its key and the step: the same on every rank, and whatever
-        the bucket's layout, which DDP changes after its first step), one all-reduce of
-        all the kept values."""
-        layout = self._layouts.get(tuple(shapes))
-        if layout is None:
-            layout = self._layouts.setdefault(tuple(shapes), SegmentedTopK(shapes, self.density))
+        a uniformly random k-subset of its entries (drawn from the shared seed, its key and
+        the step: the same on every rank, and whatever the bucket's layout, which DDP
+        changes after its first step), one all-reduce of all the kept values."""
+        layout = self.subsets(tuple(math.prod(shape) for shape in shapes))
         first = slots[0]
-        scores = torch.cat(
-            [self.scores(math.prod(shape), slot) for shape, slot in zip(shapes, slots, strict=True)]
-        )
-        indices = layout.select(to_device(scores, flat.device))
+        chosen = layout.pick([self.subset_seed(slot) for slot in slots])
+        indices = to_device(chosen, flat.device)
         values = flat.index_select(0, indices)
         if self.rescale:
-            values.mul_(layout.kept_fraction(flat.device).reciprocal())
+            values.mul_(to_device(layout.kept_fraction, flat.device).reciprocal())
         (summed,) = yield Request.sum(values / first.world_size)
         mean = torch.zeros_like(flat).index_copy_(0, indices, summed)
         if not self.rescale:
