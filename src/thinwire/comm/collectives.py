@@ -403,8 +403,12 @@ def _flatten(tensors: Sequence[Tensor], dtype: torch.dtype, in_place: bool = Fal
 
 
 def _split(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    if len(like) == 1:  # a whole bucket: no split (Tensor.split's Python costs more)
+        only = like[0]
+        return [flat.view(only.shape)]
     sizes = [t.numel() for t in like]
-    return [piece.view(t.shape) for piece, t in zip(flat.split(sizes), like, strict=True)]
+    pieces = flat.split_with_sizes(sizes)
+    return [piece.view(t.shape) for piece, t in zip(pieces, like, strict=True)]
 
 
 def reduce_locally(op: Op, per_rank: list[list[Tensor]]) -> list[Tensor]:

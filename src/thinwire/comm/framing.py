@@ -49,7 +49,7 @@ def split_bytes(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     piece is misaligned for its dtype)."""
     sizes = [t.numel() * t.element_size() for t in like]
     out = []
-    for piece, t in zip(buffer.split(sizes), like, strict=True):
+    for piece, t in zip(buffer.split_with_sizes(sizes), like, strict=True):
         if piece.storage_offset() % t.element_size():
             piece = piece.clone()  # misaligned for a view as t.dtype: copy (payloads are small)
         out.append(piece.view(t.dtype).view(t.shape))

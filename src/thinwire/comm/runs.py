@@ -113,7 +113,7 @@ def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged, bool], list[Excha
     def pieces(flat: Tensor | None) -> list[Tensor | None]:
         if flat is None:
             return [None] * len(like)
-        parts = flat.split(sizes_of())
+        parts = flat.split_with_sizes(sizes_of())
         return [
             p if p.shape == t.shape else p.view(t.shape) for p, t in zip(parts, like, strict=True)
         ]
@@ -127,7 +127,7 @@ def split_flat(like: Sequence[Tensor]) -> Callable[[Exchanged, bool], list[Excha
             sent = outcome.sent_indices
             # each index less its tensor's start, in one subtraction
             shifts = _index_shifts(tuple(sizes_of()), tuple(outcome.sent_counts), sent.device)
-            indices = list((sent - shifts).split(outcome.sent_counts))
+            indices = list((sent - shifts).split_with_sizes(list(outcome.sent_counts)))
         return [
             Exchanged(mean=m, local=lo, sent_indices=i)
             for m, lo, i in zip(means, locals_, indices, strict=True)
@@ -191,7 +191,7 @@ class Planned:
             return [self.tensor]
         if self.stacked:
             return list(self.tensor.unbind(0))
-        return list(self.tensor.split(self.sizes))
+        return list(self.tensor.split_with_sizes(self.sizes))
 
     sizes: list[int] | None = None
 
