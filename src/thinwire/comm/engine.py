@@ -291,16 +291,16 @@ class GradientExchange:
         planned_runs = plan_runs(correcteds, compressed, self.compressor, whole, known.sizes)
         for planned in planned_runs:
             checks.add_together(planned.members, planned.tensor, planned.pieces)
+        batch.checks = checks  # names the tensors, should the step be refused
+        # no verdict of its own where the checked sums show every rank's NaN and infinity
+        shown = sums_show(planned_runs, self.compressor, self.dense)
+        shown = shown and self.communicator.checks_sums
         if lazy:  # the verdict travels as a device flag, read once at the step's end
-            batch.checks = checks  # names the tensors, should the step be refused
-            # none where the checked sums show every rank's NaN and infinity themselves
-            shown = sums_show(planned_runs, self.compressor, self.dense)
-            shown = shown and self.communicator.checks_sums
             batch.poison = False if shown else checks.verdict()  # before any run writes
             self._suspects.append(batch)
         for planned in planned_runs:
             batch.runs.append(start_run(planned, correcteds, slots, self.compressor, self.dense))
-        if lazy:
+        if lazy or shown:
             return batch
         for i in checks.failed():  # before any round: a non-finite one poisons the first,
             batch.not_finite.append(items[i].key)  # and the step is rolled back
@@ -360,8 +360,9 @@ class GradientExchange:
             self._verdicts.append(outcome.poisoned)
         elif outcome.poisoned and lazy:  # a communicator that answered on the host
             self._refuse()
-        elif outcome.poisoned:
-            keys = fresh.not_finite if fresh is not None else []
+        elif outcome.poisoned:  # named here where the sums were the check
+            failed = fresh.checks.failed() if fresh is not None and fresh.checks else []
+            keys = fresh.not_finite or [fresh.items[i].key for i in failed] if fresh else []
             raise NonFiniteGradientError(
                 non_finite_message(self.step, self.rank, keys, self.compressor.name)
             )
