@@ -152,11 +152,12 @@ class GradientExchange:
         """This process's rank in the group."""
         return self.communicator.rank
 
-    def submit(self, job: Any) -> torch.futures.Future:
-        """Run ``job`` on the exchange thread, after every job submitted before it."""
+    def submit(self, job: Any, here: bool = False) -> torch.futures.Future:
+        """Run ``job`` on the exchange thread (``here``: on this thread, once that one is
+        idle), after every job submitted before it (:meth:`OrderedWorker.submit`)."""
         if self._worker is None or self._worker.closed:  # closed: its group was destroyed
             self._worker = OrderedWorker(group=getattr(self.communicator, "group", None))
-        return self._worker.submit(job)
+        return self._worker.submit(job, here)
 
     def exchange_bucket(
         self,

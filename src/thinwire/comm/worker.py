@@ -26,20 +26,37 @@ class OrderedWorker:
         self._jobs: queue.Queue[tuple[Callable[[], Any], torch.futures.Future] | None] = (
             queue.Queue()
         )
+        # jobs submitted and finished, under a condition that a job run here waits on
+        self._submitted = self._finished = 0
+        self._state = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self.closed = False
         shutdown.register(self, group)
 
-    def submit(self, job: Callable[[], Any]) -> torch.futures.Future:
-        """Queue ``job``; the returned future holds its result or its exception."""
+    def submit(self, job: Callable[[], Any], here: bool = False) -> torch.futures.Future:
+        """Queue ``job``; the returned future holds its result or its exception. With
+        ``here``, run it on the calling thread instead, once every job submitted before
+        it has finished (a caller that would wait for its result anyway saves the
+        hand-over to the thread and back); the future is then done on return."""
         if self.closed:
             raise RuntimeError(
                 "thinwire's exchange thread is closed (by close(), or because its process "
                 "group was destroyed): make a new engine after init_process_group"
             )
         future: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((job, future))
+        with self._state:
+            if not here:
+                self._submitted += 1
+                self._jobs.put((job, future))
+                return future
+            self._state.wait_for(lambda: self._finished == self._submitted)
+            try:  # holding the condition: a job submitted meanwhile waits its turn
+                result = job()
+            except Exception as error:  # handed to the future, as the thread does
+                future.set_exception(error)
+            else:
+                future.set_result(result)
         return future
 
     def close(self, timeout: float | None = None) -> None:
@@ -66,3 +83,6 @@ class OrderedWorker:
                 future.set_exception(error)
             else:
                 future.set_result(result)
+            with self._state:
+                self._finished += 1
+                self._state.notify_all()

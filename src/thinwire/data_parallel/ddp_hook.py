@@ -204,7 +204,7 @@ def compressed_hook(
                 raise
             return _into_bucket(buffer, views, means, in_buffer_order)
 
-        return _for_ddp(engine.submit(job))
+        return _for_ddp(engine.submit(job, here=is_last))
 
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     with state.lock:
@@ -244,7 +244,7 @@ def compressed_hook(
                 waiting.set_exception(error)
             raise
 
-    engine.submit(fused_job)
+    engine.submit(fused_job, here=is_last)  # DDP waits for the last bucket: run it here
     return _for_ddp(future)
 
 
