@@ -643,3 +643,37 @@ def test_nan_in_a_later_bucket_with_fused_rounds_fails_every_rank(pool2, lazy: b
         assert message.startswith("RuntimeError: Got the following error"), message
         assert "NonFiniteGradientError: non-finite gradient" in message, message
         assert "Unable to cast" not in message, message
+
+
+def sums_per_exchange(rank: int, world: int, compressor: str) -> int:
+    """How many finiteness sums one DDP step's exchange takes on the CPU (read each round)."""
+    import thinwire.comm.collectives as collectives_module
+    import thinwire.compress.finite as finite_module
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    engine = thinwire.register(model, compressor)
+    engine.defer_verdicts = False
+    model(torch.randn(4, 8)).sum().backward()  # the first step: DDP lays its buckets out
+    calls = []
+    real = finite_module.all_finite
+
+    def counted(tensor: torch.Tensor) -> bool:
+        calls.append(tensor.numel())
+        return real(tensor)
+
+    finite_module.all_finite = collectives_module.all_finite = counted
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    finally:
+        finite_module.all_finite = collectives_module.all_finite = real
+    return len(calls)
+
+
+@pytest.mark.multiprocess
+def test_a_sum_that_shows_a_nan_itself_is_the_only_check(pool2) -> None:
+    """``none``'s all-reduced sum shows any rank's NaN: one sum a step checks it (the input
+    is checked only to name a tensor once the sum was not finite); top-k's gather does
+    not show it, so its input is checked too."""
+    assert pool2.run(sums_per_exchange, "none") == [1, 1]
+    assert all(n >= 2 for n in pool2.run(sums_per_exchange, "topk"))

@@ -285,17 +285,17 @@ class GradientExchange:
             groups = arrange_memory(self.memory, grads, slots, compressed, self.compressor)
             correcteds = self.memory.compensate_many(grads, slots, known.params, groups)
         lazy = self._lazy(items)
-        checks = FiniteChecks(defer=lazy)  # of the gradient, or what the memory added to it
         own = correcteds is grads or all(c is g for c, g in zip(correcteds, grads, strict=True))
         if whole is not None and not own:
             whole = None  # the memory compensated into tensors of its own
         planned_runs = plan_runs(correcteds, compressed, self.compressor, whole, known.sizes)
-        for planned in planned_runs:
-            checks.add_together(planned.members, planned.tensor, planned.pieces)
-        batch.checks = checks  # names the tensors, should the step be refused
         # no verdict of its own where the checked sums show every rank's NaN and infinity
         shown = sums_show(planned_runs, self.compressor, self.dense)
         shown = shown and self.communicator.checks_sums
+        # of the gradient, or what the memory added to it; deferred, checked only if asked
+        checks = batch.checks = FiniteChecks(defer=lazy or shown)
+        for planned in planned_runs:
+            checks.add_together(planned.members, planned.tensor, planned.pieces)
         if lazy:  # the verdict travels as a device flag, read once at the step's end
             batch.poison = False if shown else checks.verdict()  # before any run writes
             self._suspects.append(batch)
