@@ -278,37 +278,55 @@ def test_parallelize_auto_says_what_it_needs():
 
 
 def test_a_plan_over_the_limit_recomputes_the_least_each_stage_needs(tiny):
+    """Limits just under each of the fastest pipelined 1F1B plans' peaks (which plans
+    those are, and their splits, follow the profiles' timings, so several limits are
+    tried and the claims are checked over all of them)."""
     from dataclasses import replace
 
     probe, result, costs, _ = tiny
     piped = [e for e in result.ranked if e.plan.pp > 1 and e.plan.schedule == "1f1b"]
-    target = min(piped, key=lambda e: e.prediction.step_s)
-    limit = target.prediction.peak_memory_bytes - 1  # the plan no longer fits as it is
-    without = search(costs, probe, limit, replace(SPACE, recompute=False))
-    limited = search(costs, probe, limit, SPACE)
-    assert all(e.plan.recompute is None for e in without.ranked)
-    assert all(e.plan.schedule != "shifted-1f1b" for e in without.ranked + without.too_large)
-    recomputing = [e for e in limited.ranked if e.plan.recompute]
-    assert recomputing and all(e.fits for e in recomputing)
     unlimited = {e.label: e for e in result.ranked}
-    costlier = []
-    for evaluated in recomputing:
-        assert not least_is_less(costs, evaluated.plan, limit)
-        if evaluated.plan.schedule == "1f1b":  # recomputation inside the backward: priced in
-            as_is = unlimited[plan_label(replace(evaluated.plan, recompute=None))]
-            assert evaluated.prediction.step_s >= as_is.prediction.step_s - 1e-9
-            costlier.append(evaluated.prediction.step_s > as_is.prediction.step_s)
-    assert any(costlier)
-    shifted = {e.label for e in recomputing if e.plan.schedule == "shifted-1f1b"}
-    plain = {e.label.replace("shifted-1f1b", "1f1b") for e in recomputing}
-    assert shifted and {s.replace("shifted-1f1b", "1f1b") for s in shifted} <= plain
-    by_label = {e.label: e for e in recomputing}
-    for label in shifted:
-        # recomputing while the gradient travels is not slower than after it arrives (within
-        # 2 %: with near-equal stages an early recompute can hold up a forward the next
-        # stage waits for; the search ranks both schedules, so the planner keeps the faster)
-        one = by_label[label.replace("shifted-1f1b", "1f1b")].prediction.step_s
-        assert by_label[label].prediction.step_s <= one * 1.02
+    found, costlier, shifted_any = 0, [], False
+    for target in sorted(piped, key=lambda e: e.prediction.step_s)[:4]:
+        limit = target.prediction.peak_memory_bytes - 1  # the plan no longer fits as it is
+        without = search(costs, probe, limit, replace(SPACE, recompute=False))
+        limited = search(costs, probe, limit, SPACE)
+        assert all(e.plan.recompute is None for e in without.ranked)
+        assert all(e.plan.schedule != "shifted-1f1b" for e in without.ranked + without.too_large)
+        recomputing = [e for e in limited.ranked if e.plan.recompute]
+        assert all(e.fits for e in recomputing)
+        found += len(recomputing)
+        stages_of = {plan_label(p.plan): p.stages for p in [*result.prepared, *limited.prepared]}
+        for evaluated in recomputing:
+            assert not least_is_less(costs, evaluated.plan, limit)
+            if evaluated.plan.schedule == "1f1b":  # recomputation inside the backward
+                as_is = unlimited[plan_label(replace(evaluated.plan, recompute=None))]
+                pairs = zip(stages_of[evaluated.label], stages_of[as_is.label], strict=True)
+                for ratio, (stage, plain) in zip(evaluated.plan.recompute, pairs, strict=True):
+                    same = (stage.forward_s, stage.backward_s) == (
+                        plain.forward_s,
+                        plain.backward_s,
+                    )
+                    assert same and (stage.recompute_s > 0) == (ratio > 0)  # priced in
+                    assert plain.recompute_s == 0
+                # The step as a whole: a stage that takes longer can still shorten the step
+                # a little, when its later messages queue less on a link the pipelines
+                # share (seen: 1.9 % and 2.8 % faster, with profiles taken under load).
+                assert evaluated.prediction.step_s >= as_is.prediction.step_s * 0.95
+                costlier.append(evaluated.prediction.step_s > as_is.prediction.step_s)
+        shifted = {e.label for e in recomputing if e.plan.schedule == "shifted-1f1b"}
+        plain_labels = {e.label.replace("shifted-1f1b", "1f1b") for e in recomputing}
+        assert {s.replace("shifted-1f1b", "1f1b") for s in shifted} <= plain_labels
+        shifted_any = shifted_any or bool(shifted)
+        by_label = {e.label: e for e in recomputing}
+        for label in shifted:
+            # recomputing while the gradient travels is not slower than after it arrives
+            # (within 5 %: with near-equal stages an early recompute can hold up a forward
+            # the next stage waits for, and the shared link reorders messages as above,
+            # seen up to 2.8 %; the search ranks both, so the planner keeps the faster)
+            one = by_label[label.replace("shifted-1f1b", "1f1b")].prediction.step_s
+            assert by_label[label].prediction.step_s <= one * 1.05
+    assert found and any(costlier) and shifted_any
 
 
 def least_is_less(costs, plan, limit) -> bool:
