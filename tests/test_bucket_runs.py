@@ -548,3 +548,22 @@ def test_a_kept_bucket_is_surveyed_once_and_not_kept_alive() -> None:
     del items, buffer
     gc.collect()
     assert gone() is None  # the survey kept neither the items nor their gradients
+
+
+def test_a_group_whose_blocks_changed_is_not_begun_as_one() -> None:
+    """``begin_flat`` begins nothing where a key's buffers are no longer the group's
+    blocks (the per-tensor way then begins it as usual, from the state committed)."""
+    from thinwire.compress.step_buffers import StepBuffers
+
+    likes = [torch.zeros(3), torch.zeros(2, 2)]
+    buffers = StepBuffers(1)
+    buffers.arrange(["a", "b"], likes)
+    _, _, (new,) = buffers.begin_flat(["a", "b"], likes)
+    new.copy_(torch.arange(7.0))
+    buffers.commit()
+    assert torch.equal(buffers.kept["b"][0].reshape(-1), torch.arange(3.0, 7.0))
+    buffers._spare.pop("b")  # as if b's spare buffer had been dropped
+    assert buffers.begin_flat(["a", "b"], likes) is None
+    assert not buffers._pending  # nothing begun
+    (kept_b,), _ = buffers.begin("b", likes[1])
+    assert torch.equal(kept_b.reshape(-1), torch.arange(3.0, 7.0))  # the committed state

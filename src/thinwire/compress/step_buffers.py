@@ -113,12 +113,16 @@ class StepBuffers:
         blocks = self._blocks.get(group)
         if blocks is None or self._arranged.get(group) != self._version:
             return None
-        fresh = [self.begin(key, like)[1] for key, like in zip(group, likes, strict=True)]
-        if self._arranged[group] != self._version:  # a buffer was made while beginning
-            return None
-        starts = (fresh[0][0].data_ptr(), self.kept[group[0]][0].data_ptr())
+        for key in group:  # as begin() does first: a step never committed is kept
+            self._keep(key)
+        pairs = [(self.kept.get(key), self._spare.get(key)) for key in group]
+        for (kept, spare), like in zip(pairs, likes, strict=True):
+            if kept is None or spare is None or not kept[0].shape == spare[0].shape == like.shape:
+                return None  # begin() would make a buffer: not the blocks any more
+        starts = (pairs[0][1][0].data_ptr(), pairs[0][0][0].data_ptr())
         for new, old in ((blocks[1], blocks[0]), (blocks[0], blocks[1])):
             if starts == (new[0].data_ptr(), old[0].data_ptr()):
+                fresh = [self.begin(key, like)[1] for key, like in zip(group, likes, strict=True)]
                 return fresh, tuple(old), tuple(new)
         return None
 
