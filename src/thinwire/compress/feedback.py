@@ -106,7 +106,7 @@ class ResidualMemory(Memory):
         if begun:
             torch._foreach_copy_(correcteds, residuals)
             torch._foreach_add_(correcteds, [grads[i] for i in rest])
-        return _first(done)
+        return _column(done, 0)
 
     def update_many(
         self,
@@ -243,7 +243,7 @@ class DGCMemory(Memory):
                 )
             torch._foreach_copy_(vs, [kept[1] for kept, _ in begun])
             torch._foreach_add_(vs, us)
-        return _second(done)
+        return _column(done, 1)
 
     def update_many(
         self,
@@ -369,14 +369,11 @@ def _compensate_groups(
     return done
 
 
-def _first(states: list[tuple[Tensor, ...] | None]) -> list[Tensor]:
-    """Each state's first tensor (every state set)."""
-    return [state[0] for state in states if state is not None]
-
-
-def _second(states: list[tuple[Tensor, ...] | None]) -> list[Tensor]:
-    """Each state's second tensor (every state set)."""
-    return [state[1] for state in states if state is not None]
+def _column(states: list[tuple[Tensor, ...] | None], c: int) -> list[Tensor]:
+    """Each gradient's state tensor ``c`` (every gradient has begun by now)."""
+    if any(state is None for state in states):
+        raise RuntimeError("a gradient of the bucket was not compensated")
+    return [state[c] for state in states if state is not None]
 
 
 def _update_runs(runs: Sequence[RunUpdate], mask: Callable[[RunUpdate, bool], None] | None) -> None:

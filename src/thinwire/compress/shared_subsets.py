@@ -70,6 +70,7 @@ class SharedSubsets:
             starts.append(starts[-1] + n)
         self._starts = torch.tensor(starts)
         self._draws = [draws_needed(n, k) for n, k in zip(self.sizes, self.ks, strict=True)]
+        self._sizes_at, self._ks_at = torch.tensor(self.sizes), torch.tensor(self.ks)
         #: per kept entry (in :meth:`pick`'s order), the fraction k / n of its tensor
         self.kept_fraction = torch.cat(
             [torch.full((k,), k / n) for n, k in zip(self.sizes, self.ks, strict=True)]
@@ -93,8 +94,7 @@ class SharedSubsets:
         ends = counts.cumsum(0)
         number = torch.arange(1, int(ends[-1]) + 1 if draws else 1) - (ends - counts)[owner]
         state = torch.tensor([_signed(s) for s in seeds])[owner].add_(number.mul_(GAMMA))
-        sizes = torch.tensor(self.sizes)
-        position = (mix(state) & ((1 << 63) - 1)).remainder_(sizes[owner])
+        position = (mix(state) & ((1 << 63) - 1)).remainder_(self._sizes_at[owner])
         keys = (owner << _SHIFT) | position
         unique, inverse = torch.unique(keys, return_inverse=True)
         order = torch.arange(keys.numel())
@@ -105,8 +105,7 @@ class SharedSubsets:
         seen = fresh.cumsum(0)
         before = torch.cat([seen.new_zeros(1), seen])[ends - counts]  # fresh before a tensor
         rank = seen - before[owner]  # 1 for a tensor's first fresh draw, 2 for its next, ...
-        ks = torch.tensor(self.ks)
-        taken = fresh & (rank <= ks[owner])
+        taken = fresh & (rank <= self._ks_at[owner])
         got = torch.zeros(len(draws), dtype=torch.int64).index_add_(0, owner, taken.long())
         # a tensor keeping all its entries draws nothing: every position
         whole = [i for i, d in enumerate(draws) if d == 0]
