@@ -4,8 +4,9 @@
 # OUT_DIR gets the JSON records and logs; BEFORE_SRC (a checkout's src/ of an older
 # thinwire) adds a "before" run of the ResNet-18 table. Each step has its own time limit,
 # so that one that hangs does not take the others' results with it. ONLY="a b" runs only
-# the steps named (dgc-selection orthonormal ops r18-after r18-before linear-after
-# syncs-256 syncs-512 gpu-check tests); R18_METHODS narrows the ResNet-18 table.
+# the steps named (dgc-selection orthonormal ops r18-after r18-before r18-fused linear-after
+# syncs-256 syncs-512 syncs-fused gpu-check tests; *-fused: a fused SGD given to thinwire,
+# which refuses a step on the device); R18_METHODS narrows the ResNet-18 table.
 set -u
 out=${1:?usage: gpu_host_path.sh OUT_DIR [BEFORE_SRC]}
 before=${2:-}
@@ -40,9 +41,11 @@ if [ -n "$before" ]; then
   step r18-before 200 env PYTHONPATH="$before:bench" $py bench/host_cost.py "${r18[@]}" \
     --out "$out/host-cost-r18-before.json"
 fi
+step r18-fused 200 $py bench/host_cost.py "${r18[@]}" --fused --out "$out/host-cost-r18-fused.json"
 step linear-after 90 $py bench/host_cost.py --device cuda --rounds 3 \
   --out "$out/host-cost-linear-after.json"
 step syncs-256 90 $py bench/gpu_syncs.py --out "$out/syncs-256.json"
 step syncs-512 90 $py bench/gpu_syncs.py --width 512 \
   --methods ddp,none,powersgd,dgc,topk,randomk,onebit,terngrad --out "$out/syncs-512.json"
+step syncs-fused 90 $py bench/gpu_syncs.py --fused --out "$out/syncs-fused.json"
 step gpu-check 200 $py bench/gpu_check.py --layouts ncclx1-cuda,gloox2-cuda --out "$out/gpu-check"

@@ -35,16 +35,20 @@ from thinwire.launch import free_port
 METHODS: dict[str, dict[str, Any]] = {"ddp": {}, **THINWIRE}
 
 
-def count_syncs(method: str, layers: int = 8, width: int = 256, warmup: int = 3) -> dict[str, Any]:
+def count_syncs(
+    method: str, layers: int = 8, width: int = 256, warmup: int = 3, fused: bool = False
+) -> dict[str, Any]:
     """Train ``method`` (in a process where the default group is NCCL on device 0) and
-    return the synchronisations of one steady-state step: their count and where."""
+    return the synchronisations of one steady-state step: their count and where
+    (``fused``: with a fused SGD given to thinwire, which refuses a step on the device)."""
     torch.manual_seed(0)
     device = torch.device("cuda", 0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     ddp = DistributedDataParallel(model, device_ids=[0])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, fused=fused or None)
     if method != "ddp":
-        thinwire.register(ddp, method, **METHODS[method])
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        given = {"optimizer": optimizer} if fused else {}
+        thinwire.register(ddp, method, **given, **METHODS[method])
     inputs = torch.randn(16, width, device=device)
 
     def step() -> None:
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         "side by side (65,536 values); 512 makes each weight a large one (alone, but for "
         "DGC's threshold selection, which takes large ones side by side too)",
     )
+    parser.add_argument(
+        "--fused", action="store_true", help="a fused SGD, given to thinwire (no verdict read)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for method in args.methods.split(","):
             try:
-                row = count_syncs(method, width=args.width)
+                row = count_syncs(method, width=args.width, fused=args.fused)
             except Exception:  # one broken method must not hide the others' counts
                 row = {"method": method, "error": traceback.format_exc(limit=4)}
             rows.append(row)
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "width": args.width,
+        "fused_sgd": args.fused,
         "rows": rows,
     }
     if args.out:

@@ -111,10 +111,15 @@ def build(args: argparse.Namespace, device: torch.device) -> nn.Module:
     return build_model(args.layers, args.width, device)
 
 
-def wrap(method: str, model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    """``model`` under DDP with ``method``'s communication hook."""
+def wrap(
+    method: str, model: nn.Module, device: torch.device, fused: bool = False
+) -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
+    """``model`` under DDP with ``method``'s communication hook, and its SGD (``fused``:
+    the fused one, which thinwire's hook is given, so that it refuses a step on the GPU
+    without a host wait)."""
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=ids)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, fused=fused or None)
     if method == "torch-powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
@@ -128,8 +133,9 @@ def wrap(method: str, model: nn.Module, device: torch.device) -> DistributedData
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method != "ddp":
         name, options = VARIANTS[method] if method in VARIANTS else (method, THINWIRE[method])
-        ddp.thinwire_engine = thinwire.register(ddp, name, **options)  # type: ignore[assignment]
-    return ddp
+        given = {"optimizer": optimizer} if fused else {}
+        ddp.thinwire_engine = thinwire.register(ddp, name, **given, **options)  # type: ignore[assignment]
+    return ddp, optimizer
 
 
 class Runner:
@@ -138,8 +144,7 @@ class Runner:
     def __init__(self, method: str, args: argparse.Namespace, device: torch.device) -> None:
         self.method = method
         self.device = device
-        self.model = wrap(method, build(args, device), device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.model, self.optimizer = wrap(method, build(args, device), device, args.fused)
         generator = torch.Generator().manual_seed(1)
         if args.model == "resnet18":
             self.inputs = torch.randn(args.batch, 1, 28, 28, generator=generator).to(device)
@@ -239,6 +244,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "layers": args.layers,
         "width": args.width,
         "batch": args.batch,
+        "fused_sgd": args.fused,
         "rows": rows,
     }
 
@@ -285,6 +291,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="LABEL=METHOD:NAME=VALUE,...",
         help="one more row: a compressor with other options, timed beside the rest, e.g. "
         "dgc-exact=dgc:density=0.01,selection=exact (repeatable)",
+    )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="every method with SGD(fused=True), which thinwire's hook is given: a step "
+        "with a NaN is then skipped on the GPU, with no host wait for the verdict",
     )
     parser.add_argument("--out", type=Path, help="write the JSON record here")
     args = parser.parse_args(argv)

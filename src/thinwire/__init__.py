@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         CommunicationError,
         IncompatibleCompressorError,
         NonFiniteGradientError,
+        NonFiniteGradientWarning,
         RankMismatchError,
         ThinwireError,
     )
@@ -64,6 +65,7 @@ _HOMES = {
     "CommunicationError": "thinwire.errors",
     "IncompatibleCompressorError": "thinwire.errors",
     "NonFiniteGradientError": "thinwire.errors",
+    "NonFiniteGradientWarning": "thinwire.errors",
     "RankMismatchError": "thinwire.errors",
     "ThinwireError": "thinwire.errors",
     "ModelLayout": "thinwire.parallel",
@@ -84,6 +86,7 @@ __all__ = [
     "LocalSGD",
     "ModelLayout",
     "NonFiniteGradientError",
+    "NonFiniteGradientWarning",
     "ParallelPlan",
     "ParallelTrainer",
     "ParameterServer",

@@ -15,6 +15,11 @@ class NonFiniteGradientError(ThinwireError):
     """A gradient contained NaN or Inf; raised on every rank after the same collective."""
 
 
+class NonFiniteGradientWarning(UserWarning):
+    """A step was skipped on the device for a NaN or Inf gradient on some rank (a GPU step
+    refused without reading its verdict); warned once the host sees the verdict."""
+
+
 class RankMismatchError(ThinwireError):
     """Ranks disagree on the model, the compressor or the bucket layout."""
 

@@ -12,7 +12,8 @@ A rank whose gradients are not finite poisons its first round, so every rank lea
 from the same collective, and the step is refused on every rank: the memory and the
 compressor go back to where they were before it. On the CPU each round's verdict is read
 at once; on a GPU (:attr:`GradientExchange.defer_verdicts`) they stay device flags until
-the step's last exchange reads them all in one wait: one host wait per step.
+the step's last exchange reads them all in one wait: one host wait per step, or none
+where a fused optimizer skips the step on the device (:mod:`thinwire.comm.device_refusal`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from thinwire.comm.agreement import parameter_layout, ranks_differing
+from thinwire.comm.batch import Batch, GradientItem
 from thinwire.comm.checkpoint import (
     check_owner,
     check_same_start,
@@ -37,9 +38,9 @@ from thinwire.comm.checkpoint import (
     owner_of,
 )
 from thinwire.comm.collectives import Communicator, make_communicator
+from thinwire.comm.device_refusal import DeviceRefusal
 from thinwire.comm.runs import (
     Means,
-    Run,
     arrange_memory,
     bucket_means,
     plan_runs,
@@ -48,7 +49,7 @@ from thinwire.comm.runs import (
     update_memory,
 )
 from thinwire.comm.step_stats import StepStats
-from thinwire.comm.survey import Survey, Surveys
+from thinwire.comm.survey import Surveys
 from thinwire.comm.verdicts import non_finite_message
 from thinwire.comm.worker import OrderedWorker
 from thinwire.compress.base import Compressor, Memory
@@ -57,38 +58,6 @@ from thinwire.compress.finite import FiniteChecks
 from thinwire.compress.none import NoCompression
 from thinwire.compress.registry import compressor as build_compressor
 from thinwire.errors import NonFiniteGradientError, RankMismatchError
-
-
-@dataclass(frozen=True)
-class GradientItem:
-    """One gradient to exchange: its stable ``key`` (parameter name), the gradient, and the
-    parameter itself (for weight decay inside DGC's memory; may be ``None``)."""
-
-    key: str
-    grad: Tensor
-    param: Tensor | None = None
-
-
-@dataclass
-class _Batch:
-    """The tensors of one :meth:`GradientExchange.exchange` call (a bucket) in flight."""
-
-    items: Sequence[GradientItem]
-    runs: list[Run]
-    not_finite: list[str]
-    token: Any = None
-    #: this rank's gradients of the batch were not finite: a bool, or a device flag
-    poison: bool | Tensor = False
-    #: the batch's finiteness checks (to name the tensors of a step refused later)
-    checks: FiniteChecks | None = None
-    #: what its items are (keys, sizes, dtype), and their gradients
-    known: Survey | None = None
-    grads: list[Tensor] | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether every tensor's protocol has returned."""
-        return all(run.done for run in self.runs)
 
 
 class GradientExchange:
@@ -122,7 +91,7 @@ class GradientExchange:
         self.history: collections.deque[StepStats] = collections.deque(maxlen=history)
         self._current = StepStats(step=0)
         self._worker: OrderedWorker | None = None
-        self._in_flight: list[_Batch] = []
+        self._in_flight: list[Batch] = []
         #: the compressor's state before the step under way, to restore if it is refused
         self._before_step: dict[str, Any] | None = None
         #: the all-ranks checkpoint this exchange resumed from (0: none), and whether the
@@ -135,7 +104,10 @@ class GradientExchange:
         self.defer_verdicts: bool | None = None
         #: the step's verdicts not read yet (device flags), and the batches they cover
         self._verdicts: list[Tensor] = []
-        self._suspects: list[_Batch] = []
+        self._suspects: list[Batch] = []
+        #: refuses a lazy step on the device instead (set by ``register`` for a fused
+        #: optimizer; used where the memory and the compressor can undo a step there)
+        self.device_refusal: DeviceRefusal | None = None
         #: per DDP bucket, its last exchange's order (saved: a resumed first step keeps it)
         self.bucket_orders: dict[int, list[str]] = {}
         self.restored_bucket_orders: dict[int, list[str]] = {}
@@ -263,14 +235,16 @@ class GradientExchange:
 
     def _start(
         self, items: Sequence[GradientItem], token: Any = None, whole: Tensor | None = None
-    ) -> _Batch:
+    ) -> Batch:
         """Compensate every gradient and start its protocol, up to its first request."""
         if not self._start_checked:
             check_same_start(self.step, self._origin, self.rank, self.communicator.group)
             self._start_checked = True
-        batch = _Batch(items, [], [], token)
+        batch = Batch(items, [], [], token)
         if self._before_step is None:  # the step's first exchange
             self._before_step = self.compressor.snapshot()
+            if self.device_refusal is not None:
+                self.device_refusal.poll()
         known = batch.known = self._surveys.of(items)  # keys, sizes, what is compressed
         slots = known.slots(self.step, self.world_size, self.rank)
         compressed = known.compressed
@@ -322,10 +296,37 @@ class GradientExchange:
         if not self._verdicts:
             self._suspects.clear()
             return
+        if self._refuses_on_device():
+            return  # end_step() settles them on the device
         flags = [flag.reshape(()).to(self._verdicts[0].device) for flag in self._verdicts]
         if bool(flags[0] if len(flags) == 1 else torch.stack(flags).any()):
             self._refuse()
         self._verdicts, self._suspects = [], []
+
+    def _refuses_on_device(self) -> bool:
+        """Whether this step's lazy verdicts stay on the device (:attr:`device_refusal`)."""
+        refusal = self.device_refusal
+        return (
+            refusal is not None
+            and refusal.ready
+            and self.memory.undoes_on_device
+            and self.compressor.undoes_on_device
+        )
+
+    def _commit(self) -> None:
+        """Keep the step's memory; where its verdicts stayed on the device, keep it only
+        where they say the step was taken, and the compressor's state likewise."""
+        if not (self._verdicts and self._refuses_on_device()):
+            self.memory.commit()
+            return
+        assert self.device_refusal is not None
+        device = self._verdicts[0].device
+        flags = [flag.to(device) for flag in self._verdicts]
+        refused = self.device_refusal.settle(self.step, flags)
+        self._verdicts, self._suspects = [], []
+        self.memory.commit_unless(refused)
+        if self._before_step is not None:
+            self.compressor.undo_where(self._before_step, refused)
 
     def _refuse(self) -> None:
         """Refuse a lazy step some rank's non-finite gradients poisoned: name this rank's
@@ -341,7 +342,7 @@ class GradientExchange:
             non_finite_message(self.step, self.rank, keys, self.compressor.name)
         )
 
-    def _round(self, batches: Sequence[_Batch], fresh: _Batch | None) -> float:
+    def _round(self, batches: Sequence[Batch], fresh: Batch | None) -> float:
         """Execute the pending request of every unfinished run of ``batches`` as one round
         (fused collectives), hand each run its answer; return the seconds spent
         communicating. ``fresh``: the batch whose first round this is (its non-finite
@@ -371,7 +372,7 @@ class GradientExchange:
             run.advance(answer)
         return spent
 
-    def _finish(self, batch: _Batch) -> Means:
+    def _finish(self, batch: Batch) -> Means:
         """Let the memory keep what was not sent; the means in the gradients' dtypes."""
         if not isinstance(self.memory, NoMemory):
             update_memory(self.memory, batch.runs)
@@ -404,13 +405,10 @@ class GradientExchange:
                 "end_step() with exchanges still in flight: the step's last exchange_fused() "
                 "call must pass last=True (their results were dropped)"
             )
-        self.memory.commit()
+        self._commit()
         self._before_step = None
         stats = self._current
-        stats.payload_bytes = stats.traffic.payload
-        stats.sent_bytes = stats.traffic.sent
-        stats.received_bytes = stats.traffic.received
-        stats.collectives = stats.traffic.collectives
+        stats.close()
         self.history.append(stats)
         self.step += 1
         self._current = StepStats(step=self.step)

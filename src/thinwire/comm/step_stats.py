@@ -28,6 +28,11 @@ class StepStats:
     communicate_s: float = 0.0
     traffic: Traffic = field(default_factory=Traffic, repr=False)
 
+    def close(self) -> None:
+        """Take the byte and collective counts from :attr:`traffic` (the step is over)."""
+        self.payload_bytes, self.sent_bytes = self.traffic.payload, self.traffic.sent
+        self.received_bytes, self.collectives = self.traffic.received, self.traffic.collectives
+
     @property
     def compression_ratio(self) -> float:
         """Dense fp32 bytes over the bytes this rank actually contributed."""

@@ -270,6 +270,17 @@ class Compressor(ABC):
         if state:
             raise ValueError(f"compressor {self.name!r} is stateless but got state {list(state)}")
 
+    @property
+    def undoes_on_device(self) -> bool:
+        """Whether :meth:`undo_where` puts back everything a refused step changed that the
+        next steps' payloads depend on (stateless compressors have nothing to put back;
+        one with state says so itself)."""
+        return type(self).state_dict is Compressor.state_dict
+
+    def undo_where(self, before: dict[str, Any], refused: Tensor) -> None:
+        """Put this step's state back to ``before`` (:meth:`snapshot`) wherever the bool
+        device flag ``refused`` is true, reading nothing back; nothing to do by default."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -348,6 +359,22 @@ class Memory(ABC):
     def rollback(self) -> None:
         """The step is refused (a non-finite gradient on some rank, a failed collective):
         put the memory back as it was before the step, as if it had never run."""
+
+    @property
+    def undoes_on_device(self) -> bool:
+        """Whether :meth:`commit_unless` can put a step back without reading its verdict
+        (a memory without state can; one with state must implement it)."""
+        return type(self).state_dict is Memory.state_dict
+
+    def commit_unless(self, refused: Tensor) -> None:
+        """:meth:`commit` where the bool device flag ``refused`` is false, :meth:`rollback`
+        where it is true, decided on the device (nothing read back)."""
+        if not self.undoes_on_device:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot undo a step on the device; register with "
+                "refusal='host'"
+            )
+        self.commit()
 
     def state_dict(self) -> dict[str, Any]:
         """Buffers to checkpoint, keyed by tensor key."""

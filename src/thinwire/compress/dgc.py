@@ -303,6 +303,10 @@ class DGC(TopK):
 
     # -- checkpointing --------------------------------------------------------------------
 
+    #: on a step refused on the device the sample-offset generator moves on (every rank's
+    #: alike): it picks the threshold's sample, not what the memory or the model holds
+    undoes_on_device = True
+
     def state_dict(self) -> dict[str, Any]:
         """The state of the sample-offset generator."""
         return {"generator": self.generator.get_state()}

@@ -133,6 +133,12 @@ class ResidualMemory(Memory):
         """This step's residuals are the ones the next step adds."""
         self._buffers.commit()
 
+    undoes_on_device = True
+
+    def commit_unless(self, refused: Tensor) -> None:
+        """:meth:`commit`, the residuals put back where the device flag ``refused`` is set."""
+        self._buffers.commit_unless(refused)
+
     def rollback(self) -> None:
         """Back to the residuals the last committed step left."""
         self._buffers.rollback()
@@ -297,6 +303,12 @@ class DGCMemory(Memory):
     def commit(self) -> None:
         """This step's velocities and accumulators are the ones the next step builds on."""
         self._buffers.commit()
+
+    undoes_on_device = True
+
+    def commit_unless(self, refused: Tensor) -> None:
+        """:meth:`commit`, both put back where the device flag ``refused`` is set."""
+        self._buffers.commit_unless(refused)
 
     def rollback(self) -> None:
         """Back to the velocities and accumulators the last committed step left."""

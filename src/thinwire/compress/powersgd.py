@@ -42,6 +42,7 @@ from thinwire.compress.base import (
     Slot,
     check_positive_int,
 )
+from thinwire.compress.device_undo import where_many
 from thinwire.compress.powersgd_bucket import BucketLayout, BucketState, exchange_bucket
 from thinwire.compress.randomk import stable_seed
 from thinwire.compress.registry import register_compressor
@@ -273,6 +274,24 @@ class PowerSGD(Compressor):
         """The warm starts themselves: an exchange replaces a key's warm start with a new
         tensor and never writes one in place."""
         return {"warm": dict(self.warm)}
+
+    #: a refused step's new warm starts can be put back on the device (:meth:`undo_where`)
+    undoes_on_device = True
+
+    def undo_where(self, before: dict[str, Any], refused: Tensor) -> None:
+        """Every warm start the step replaced put back (in place) where the device flag
+        ``refused`` is set; a key the step saw first gets zeros there (the rows of its
+        next exchange's new warm start that stay zero are refilled, as for any gradient
+        that was zero)."""
+        old = before.get("warm", {})
+        changed = [key for key, qt in self.warm.items() if old.get(key) is not qt]
+        befores = [
+            old[key]
+            if key in old and old[key].shape == self.warm[key].shape
+            else torch.zeros_like(self.warm[key])
+            for key in changed
+        ]
+        where_many(refused, befores, [self.warm[key] for key in changed])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the warm starts."""

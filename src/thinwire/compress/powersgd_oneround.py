@@ -121,6 +121,9 @@ class OneRoundPowerSGD(PowerSGD):
 
     # -- checkpointing --------------------------------------------------------------------
 
+    #: its bases alternate sides on the host: a refused step is read there (one wait)
+    undoes_on_device = False
+
     def snapshot(self) -> dict[str, Any]:
         """A copy of the bases (:meth:`state_dict`), not PowerSGD's warm starts."""
         return self.state_dict()

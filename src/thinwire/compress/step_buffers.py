@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from thinwire.compress.device_undo import where_many
 from thinwire.compress.segments import side_by_side
 
 
@@ -138,6 +139,32 @@ class StepBuffers:
         """Keep every pending state."""
         for key in list(self._pending):
             self._keep(key)
+
+    def commit_unless(self, refused: Tensor) -> None:
+        """:meth:`commit`, with every pending state first put back to the committed one
+        wherever the bool device flag ``refused`` is true (a step refused on the device:
+        nothing is read back). A group laid out side by side takes one ``where`` per state
+        tensor over its block; other keys go together through :func:`where_many`."""
+        done: set[str] = set()
+        for group, blocks in self._blocks.items():
+            if self._arranged.get(group) != self._version or any(
+                key not in self._pending for key in group
+            ):
+                continue
+            starts = (self._pending[group[0]][0].data_ptr(), self.kept[group[0]][0].data_ptr())
+            for new, old in ((blocks[1], blocks[0]), (blocks[0], blocks[1])):
+                if starts == (new[0].data_ptr(), old[0].data_ptr()):
+                    for after, before in zip(new, old, strict=True):
+                        torch.where(refused, before, after, out=after)
+                    done.update(group)
+                    break
+        rest = [key for key in self._pending if key not in done]
+        where_many(
+            refused,
+            [kept for key in rest for kept in self.kept[key]],
+            [fresh for key in rest for fresh in self._pending[key]],
+        )
+        self.commit()
 
     def rollback(self) -> None:
         """Drop every pending state; its buffers serve the next step."""

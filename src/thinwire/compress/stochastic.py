@@ -98,6 +98,10 @@ class StochasticCompressor(Compressor):
 
     random: RankStream
 
+    #: on a step refused on the device the stream moves on: it draws the rounding, which
+    #: stays unbiased, and no state of the model or the memory
+    undoes_on_device = True
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's random stream, so that a resumed run draws the same numbers."""
         return {"random": self.random.state_dict()}

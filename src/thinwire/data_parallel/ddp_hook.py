@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.collectives import Communicator, sibling_group
+from thinwire.comm.device_refusal import DeviceRefusal, skips_on_device
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.comm.survey import KeptItems
 from thinwire.compress.base import Compressor, Memory, check_flag
@@ -115,6 +116,7 @@ def register(
     optimizer: torch.optim.Optimizer | None = None,
     memory: Memory | None = None,
     fuse_rounds: bool = True,
+    refusal: str = "auto",
     **options: Any,
 ) -> GradientExchange:
     """Make ``model`` (a DDP module) exchange gradients through ``compressor``.
@@ -128,6 +130,16 @@ def register(
         memory: override the compressor's default error-feedback memory.
         fuse_rounds: send each bucket's later rounds with the next bucket's first (fewer
             collectives; see the module docstring). ``False``: each bucket's rounds alone.
+        refusal: how a step with a NaN or Inf gradient on some rank is refused on a GPU.
+            ``"host"``: the verdict is read once a step (one host wait) and every rank
+            raises :class:`~thinwire.errors.NonFiniteGradientError` at that step.
+            ``"device"``: it stays on the GPU (no host wait): ``optimizer`` (a fused one,
+            ``fused=True``) skips the step there, thinwire's state is put back there, and
+            a :class:`~thinwire.errors.NonFiniteGradientWarning` reports it once the host
+            sees it (from the optimizer's second step on; the first is read on the host).
+            ``"auto"`` (default): ``"device"`` where ``optimizer`` is a fused one and the
+            compressor can undo a step on the device, else ``"host"``. On the CPU the
+            verdict is read at once either way (no wait to save).
         **options: compressor options when ``compressor`` is a name (e.g. ``density``).
 
     Returns:
@@ -159,6 +171,8 @@ def register(
             f"got {type(optimizer).__name__}"
         )
     check_flag("fuse_rounds", fuse_rounds)
+    if refusal not in REFUSALS:
+        raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
     built = build_compressor(compressor, **options)
     if optimizer is not None:
         built.check_optimizer(optimizer)
@@ -177,9 +191,35 @@ def register(
     ignored = set(getattr(model, "parameters_to_ignore", ()))
     named = [(n, p) for n, p in model.module.named_parameters() if n not in ignored]
     engine.verify(named)
+    engine.device_refusal = device_refusal(refusal, optimizer, engine)
     state = HookState(engine, {id(p): n for n, p in named}, fuse_rounds=fuse_rounds)
     model.register_comm_hook(state, compressed_hook)
     return engine
+
+
+#: the ways ``register`` can refuse a GPU step with a non-finite gradient
+REFUSALS = ("auto", "device", "host")
+
+
+def device_refusal(
+    refusal: str, optimizer: torch.optim.Optimizer | None, engine: GradientExchange
+) -> DeviceRefusal | None:
+    """What refuses ``engine``'s GPU steps on the device under ``refusal`` (``None``: the
+    host reads the verdict); ``"device"`` that cannot be is refused with the reason."""
+    able = engine.compressor.undoes_on_device and engine.memory.undoes_on_device
+    fused = optimizer is not None and skips_on_device(optimizer)
+    if refusal == "device" and not (fused and able):
+        why = (
+            f"{engine.compressor.name} cannot undo a step on the device"
+            if not able
+            else "it needs optimizer= a fused optimizer (fused=True: Adam, AdamW, SGD, "
+            "Adagrad), which can skip a step on the device"
+        )
+        raise ValueError(f"refusal='device': {why}; use refusal='host' or 'auto'")
+    if refusal == "host" or not (fused and able):
+        return None
+    assert optimizer is not None
+    return DeviceRefusal(optimizer)
 
 
 def compressed_hook(
