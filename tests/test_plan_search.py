@@ -119,7 +119,7 @@ def test_search_ranks_every_plan_and_the_memory_limit_rejects_those_over_it(tiny
     assert len(result.ranked) == len(result.prepared)
     for evaluated in result.ranked:
         stages = evaluated.plan.stages or ()
-        assert len(stages) == evaluated.plan.pp - 1
+        assert len(stages) == evaluated.plan.chunks - 1  # two stages a rank: interleaved
         assert evaluated.prediction.peak_memory_bytes > 0
     peaks = sorted(e.prediction.peak_memory_bytes for e in result.ranked)
     limit = peaks[len(peaks) // 2]

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from thinwire.launch import run_local
+from thinwire.parallel.interleaved_program import held_in_turn
 from thinwire.plan.cost import BucketCost, MethodCost
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, StageCost, fitted_link, predict_plan
 from thinwire.plan.network import Collective, collective_time
@@ -210,3 +211,43 @@ def test_the_probe_command_outside_a_job_says_how_to_launch_it(monkeypatch, caps
         monkeypatch.delenv(name, raising=False)
     assert main(["probe", "--out", "unused.json"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_interleaved_plans_fold_two_stages_onto_each_rank():
+    """Interleaved 1F1B on pp=2: four stages, stage s on pipeline rank s % 2; the wrap
+    boundary (stage 1 on rank 1 to stage 2 on rank 0) crosses hosts back; each rank's
+    memory and exchange are its two stages' together."""
+    probe = _probe()
+    degrees = Degrees(dp=4, pp=2, tp=1, microbatches=4, schedule="interleaved-1f1b")
+    links = PlanOnLinks(degrees, probe)
+    _, across = links.message(0, 1_000)  # rank 0 (host 0) to rank 1 (host 1)
+    _, back = links.message(1, 1_000)  # rank 1 (host 1) to rank 0 (host 0)
+    assert len(set(across)) == 1 and len(set(back)) == 1
+    cost = MethodCost(
+        "dense",
+        (BucketCost(1.0, 0.0, (Collective("allreduce", 4_000_000),)),),
+        dense_bytes=4_000_000,
+    )
+    stages = [
+        StageCost(0.1, 0.2, activation_bytes=1_000, dp_cost=cost, saved_bytes=100 * (s + 1))
+        for s in range(4)
+    ]
+    predicted = predict_plan(degrees, stages, probe)
+    assert len(predicted.stage_end_s) == len(predicted.memory) == 2
+    messages = [links.message(b, 1_000) for b in range(3)]
+    times = simulate(
+        "interleaved-1f1b", 4, [StageTimes(0.1, 0.2)] * 4, [m for m, _ in messages],
+        [m for m, _ in messages], replicas=1, links=[[r[0]] for _, r in messages],
+    )  # fmt: skip
+    assert predicted.pipeline_s >= times.step_s  # four replicas share the links, not one
+    # a rank's two stages peak at different times: its peak is of their sum, in turn
+    for k in range(2):
+        over_time = [
+            sum(100 * (s + 1) * n for s, n in held.items()) for held in held_in_turn(k, 2, 4)
+        ]
+        separately = sum(100 * (s + 1) * times.peak_in_flight[s] for s in (k, k + 2))
+        assert predicted.memory[k]["activations"] == max(over_time) < separately
+    one_exchange = cost.comm_time(4, links.dp_link(0)[0])
+    assert predicted.data_parallel_s == pytest.approx(2 * one_exchange)
+    with pytest.raises(ValueError, match=r"a cost per stage \(4\)"):
+        predict_plan(degrees, stages[:2], probe)

@@ -72,7 +72,18 @@ def test_latency_delays_every_hop():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("interleaved-1f1b", 4, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "simulates"),
+        (("zero-bubble", 4, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "simulates"),
+        (("interleaved-1f1b", 4, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "two stages"),
+        (
+            (
+                "interleaved-1f1b",
+                4,
+                [StageTimes(1, 1)] * 6 + [StageTimes(1, 1)],
+                _free(7),
+                _free(7),
+            ),
+            "two stages",
+        ),
         (("1f1b", 0, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "micro-batches"),
         (("1f1b", 2.0, [StageTimes(1, 1)] * 2, _free(2), _free(2)), "micro-batches"),
         (("1f1b", 2, [], [], []), "at least one stage"),

@@ -127,8 +127,9 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def _memory_against(predicted: tuple[dict[str, int], ...], record: dict, plan: Any) -> dict:
-    """Per stage, predicted and measured bytes (the stage's first rank), with the ratio of
-    the saved activations and of the total."""
+    """Per pipeline rank, predicted and measured bytes (its first rank; its two stages
+    together under interleaved 1F1B), with the ratio of the saved activations and of the
+    total."""
     per_stage = plan.dp * plan.tp
     rows = []
     for stage, held in enumerate(predicted):

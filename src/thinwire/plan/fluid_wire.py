@@ -22,10 +22,22 @@ _Event = tuple[float, object, str]
 _EPSILON = 1e-12
 
 
-def ends(key: _Wired) -> tuple[int, int]:
-    """The (sender, receiver) stages of message ``key``."""
+def ends(key: _Wired, ranks: int = 0) -> tuple[int, int]:
+    """The (sender, receiver) stages of message ``key``; with ``ranks``, the pipeline
+    ranks that hold them (stage ``s`` on rank ``s % ranks``: interleaved 1F1B)."""
     _, way, boundary, _ = key
-    return (boundary, boundary + 1) if way == _FWD else (boundary + 1, boundary)
+    pair = (boundary, boundary + 1) if way == _FWD else (boundary + 1, boundary)
+    return (pair[0] % ranks, pair[1] % ranks) if ranks else pair
+
+
+def way(name: Hashable, sender: int, receiver: int, along: bool) -> Hashable:
+    """One direction of link ``name`` (``along``: the way its boundary's forward messages
+    go). A pair of hosts ``(a, b)``, as the planner names a link between two hosts, is one
+    way per direction whatever ranks and boundaries use it (interleaved 1F1B crosses the
+    same hosts at several boundaries); any other name is one way per pair of ranks."""
+    if isinstance(name, tuple) and len(name) == 2:
+        return name if along else (name[1], name[0])
+    return (name, sender, receiver)
 
 
 @dataclass
@@ -44,11 +56,12 @@ class FluidWire:
 
     def __init__(
         self, forward: Sequence[object], backward: Sequence[object],
-        links: Sequence[Sequence[Hashable]],
+        links: Sequence[Sequence[Hashable]], ranks: int = 0,
     ) -> None:  # fmt: skip
         self.messages = {_FWD: forward, "bwd": backward}
         self.links = links
-        self.ways: dict[tuple, _Link] = {}
+        self.ranks = ranks  # stages fold onto this many ranks (0: a rank per stage)
+        self.ways: dict[Hashable, _Link] = {}
         self.socket_busy: dict[tuple[int, int, int], bool] = {}
         self.socket_queue: dict[tuple[int, int, int], list[tuple[str, _Wired]]] = {}
         self.send_posted: set[_Wired] = set()
@@ -59,12 +72,12 @@ class FluidWire:
     def _message(self, key: _Wired) -> object:
         return self.messages[key[1]][key[2]]
 
-    def _way(self, key: _Wired, sender: int, receiver: int) -> tuple:
-        return (self.links[key[2]][key[0]], sender, receiver)
+    def _way(self, key: _Wired, sender: int, receiver: int) -> Hashable:
+        return way(self.links[key[2]][key[0]], sender, receiver, key[1] == _FWD)
 
     def post_recv(self, key: _Wired, now: float) -> list[_Event]:
         """The receiver posts ``key``'s receive: its ready note joins its socket's queue."""
-        sender, receiver = ends(key)
+        sender, receiver = ends(key, self.ranks)
         return self._enqueue((key[0], receiver, sender), ("note", key), now)
 
     def post_send(self, key: _Wired, now: float) -> list[_Event]:
@@ -78,7 +91,7 @@ class FluidWire:
         return self._data(key, now) if key in self.send_posted else []
 
     def _data(self, key: _Wired, now: float) -> list[_Event]:
-        sender, receiver = ends(key)
+        sender, receiver = ends(key, self.ranks)
         return self._enqueue((key[0], sender, receiver), ("data", key), now)
 
     def _enqueue(self, socket: tuple[int, int, int], item: tuple[str, _Wired], now: float):
@@ -95,7 +108,7 @@ class FluidWire:
                 events.append((now + self._message(key).latency_s, key, "ready"))  # type: ignore[attr-defined]
                 continue
             self.socket_busy[socket] = True
-            sender, receiver = ends(key)
+            sender, receiver = ends(key, self.ranks)
             name = self._way(key, sender, receiver)
             way = self.ways.setdefault(name, _Link())
             self._advance(way, now)
@@ -112,7 +125,7 @@ class FluidWire:
                 way.active[key] -= share
         way.updated = now
 
-    def _settle(self, name: tuple, now: float) -> list[_Event]:
+    def _settle(self, name: Hashable, now: float) -> list[_Event]:
         """Note what has been sent or has arrived on link way ``name`` by ``now``, start
         what waited behind it, and schedule the next change."""
         way = self.ways[name]
@@ -126,7 +139,7 @@ class FluidWire:
             if left <= _EPSILON:
                 del way.active[key]
                 events.append((now + message.latency_s, key, "arrived"))  # type: ignore[attr-defined]
-                sender, receiver = ends(key)
+                sender, receiver = ends(key, self.ranks)
                 freed.append((key[0], sender, receiver))
         for socket in freed:  # what waited behind a finished message starts now
             events += self._next_on(socket, now)
@@ -149,7 +162,7 @@ class FluidWire:
         self._advance(way, now)
         return self._settle(name, now)
 
-    def done(self, key: _Wired, stage: int) -> float | None:
-        """When ``stage``'s side of ``key`` completed (sent, or arrived), if it has."""
-        side = self.sent if ends(key)[0] == stage else self.arrived
+    def done(self, key: _Wired, rank: int) -> float | None:
+        """When ``rank``'s side of ``key`` completed (sent, or arrived), if it has."""
+        side = self.sent if ends(key, self.ranks)[0] == rank else self.arrived
         return side.get(key)

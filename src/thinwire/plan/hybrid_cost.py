@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
+from thinwire.parallel.interleaved_program import held_in_turn
+from thinwire.parallel.plan import CHUNKS_PER_RANK
 from thinwire.plan.cost import MethodCost, round_exchange_s
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
 from thinwire.plan.plan_traffic import rank_at
@@ -161,7 +163,8 @@ class PlanPrediction:
     optimizer_s: float
     stage_end_s: tuple[float, ...]
     memory: tuple[dict[str, int], ...] = ()
-    """Per stage, what each of its ranks holds (:meth:`StageCost.memory`)."""
+    """Per pipeline rank, what each rank there holds (:meth:`StageCost.memory` of its
+    stage, or of its two stages together under interleaved 1F1B)."""
     recompute_s: float = 0.0
     """The busiest stage's recomputation (its collectives included)."""
     timeline: tuple[tuple[int, str, int, float, float], ...] = ()
@@ -259,6 +262,7 @@ class PlanOnLinks:
             )
         self.degrees, self.probe = degrees, probe
         self._per_host: int | None = None
+        self._tp_parts: dict[int, tuple[float, float]] = {}  # by size: asked per layer
 
     def host(self, rank: int) -> int:
         """The host of ``rank`` (torchrun's numbering)."""
@@ -277,6 +281,8 @@ class PlanOnLinks:
         tp = self.degrees.tp
         if tp == 1 or nbytes == 0:
             return 0.0, 0.0
+        if nbytes in self._tp_parts:
+            return self._tp_parts[nbytes]
         group = [rank_at(0, 0, t, self.degrees) for t in range(tp)]
         if len({self.host(r) for r in group}) == 1 and tp in self.probe.intra_allreduce:
             fit = self.probe.intra_allreduce[tp]
@@ -285,7 +291,8 @@ class PlanOnLinks:
         latency = 2 * (tp - 1) * fit.alpha_s
         wire = 2 * (tp - 1) / tp * nbytes * fit.beta_s
         hidden = fit.overlap_at(nbytes)
-        return hidden * latency, wire + (1 - hidden) * latency
+        parts = self._tp_parts[nbytes] = (hidden * latency, wire + (1 - hidden) * latency)
+        return parts
 
     def replicas(self) -> list[tuple[int, int]]:
         """The pipelines side by side: one per (data-parallel, tensor-parallel) index."""
@@ -295,9 +302,12 @@ class PlanOnLinks:
         """One micro-batch's message across ``boundary`` (stage ``b`` to ``b + 1``), with
         the link it has to itself, and per replica the link it crosses on: the pairs
         between the same two hosts share theirs; within a host each pair has its own."""
-        d = self.degrees
+        d = self.degrees  # stage s on pipeline rank s % pp (two stages a rank: interleaved)
         ends = [
-            (self.host(rank_at(boundary, i, t, d)), self.host(rank_at(boundary + 1, i, t, d)))
+            (
+                self.host(rank_at(boundary % d.pp, i, t, d)),
+                self.host(rank_at((boundary + 1) % d.pp, i, t, d)),
+            )
             for i, t in self.replicas()
         ]
         if all(a == b for a, b in ends):
@@ -314,7 +324,7 @@ class PlanOnLinks:
     def dp_link(self, stage: int) -> tuple[Link, int]:
         """The link one data-parallel group of ``stage`` runs on, and the group's size."""
         d = self.degrees
-        groups = [[rank_at(stage, i, t, d) for i in range(d.dp)] for t in range(d.tp)]
+        groups = [[rank_at(stage % d.pp, i, t, d) for i in range(d.dp)] for t in range(d.tp)]
         spanning = [g for g in groups if len({self.host(r) for r in g}) > 1]
         if not spanning:
             intra = self.probe.intra_allreduce  # by group size; else the largest probed
@@ -363,9 +373,14 @@ def largest_sharing_group(replicas: int, links: Sequence[Sequence[object]]) -> l
 
 
 def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe) -> PlanPrediction:
-    """One step of a plan whose pipeline stages cost ``stages`` on the probed cluster."""
-    if len(stages) != degrees.pp:
-        raise ValueError(f"pp={degrees.pp} needs a cost per stage, got {len(stages)}")
+    """One step of a plan whose pipeline stages cost ``stages`` on the probed cluster (two
+    stages a pipeline rank under interleaved 1F1B, stage ``s`` on rank ``s % pp``)."""
+    pp = degrees.pp
+    count = pp * CHUNKS_PER_RANK.get(degrees.schedule, 1)
+    if len(stages) != count:
+        raise ValueError(
+            f"pp={pp} with {degrees.schedule} needs a cost per stage ({count}), got {len(stages)}"
+        )
     links = PlanOnLinks(degrees, probe)
     times = [
         StageTimes(*s.pass_times(links.tp_allreduce_parts, links.probe.collectives_at_once))
@@ -376,7 +391,7 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         t.forward_s + t.backward_s - s.forward_s - s.backward_s
         for s, t in zip(stages, times, strict=True)
     ]
-    crossings = [links.message(b, stages[b].activation_bytes) for b in range(degrees.pp - 1)]
+    crossings = [links.message(b, stages[b].activation_bytes) for b in range(count - 1)]
     messages = [message for message, _ in crossings]
     sharing = largest_sharing_group(
         len(links.replicas()), [per_replica for _, per_replica in crossings]
@@ -390,8 +405,9 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         replicas=len(sharing),
         links=[[per_replica[r] for r in sharing] for _, per_replica in crossings],
     )
+    held = [range(k, count, pp) for k in range(pp)]  # each rank's stages
     slowdown = max(1.0, probe.cpu_slowdown)
-    exchange, optimizer = [], []
+    exchange, optimizer = [0.0] * pp, [0.0] * pp
     for index, stage in enumerate(stages):
         seconds = 0.0
         if stage.dp_cost is not None and degrees.dp > 1:
@@ -400,24 +416,36 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
                 seconds = round_exchange_s(stage.dp_cost, link, size, pipeline.step_s)
             else:
                 seconds = stage.dp_cost.comm_time(size, link) + stage.dp_cost.compress_s * slowdown
-        exchange.append(seconds)
-        optimizer.append(stage.optimizer_s * slowdown)
-    ends = [pipeline.stage_end_s[i] + exchange[i] + optimizer[i] for i in range(degrees.pp)]
+        exchange[index % pp] += seconds
+        optimizer[index % pp] += stage.optimizer_s * slowdown
+    ends = [pipeline.stage_end_s[k] + exchange[k] + optimizer[k] for k in range(pp)]
     loss = 2 * shared_fit(probe.inter_allreduce or probe.intra_allreduce, 1).alpha_s
-    busiest = max(range(degrees.pp), key=lambda i: pipeline.stage_busy_s[i])
+    busiest = held[max(range(pp), key=lambda k: pipeline.stage_busy_s[k])]
     m = degrees.microbatches
-    compute = m * (stages[busiest].forward_s + stages[busiest].backward_s)
-    recompute = m * times[busiest].recompute_s
+    compute = m * sum(stages[s].forward_s + stages[s].backward_s for s in busiest)
+    recompute = m * sum(times[s].recompute_s for s in busiest)
+    tensor_s = m * sum(tensor[s] for s in busiest)
+    memory = []
+    for k, stage_indices in enumerate(held):
+        parts = [stages[s].memory(pipeline.peak_in_flight[s]) for s in stage_indices]
+        together = {key: sum(part[key] for part in parts) for key in parts[0]}
+        if len(parts) > 1:  # two stages' activations peak at different times
+            together["activations"] = max(
+                sum(stages[s].activation_peak(n) for s, n in counts.items())
+                for counts in held_in_turn(k, pp, m)
+            )
+            together["total"] = sum(v for key, v in together.items() if key != "total")
+        memory.append(together)
     return PlanPrediction(
         step_s=max(ends) + loss,
         pipeline_s=pipeline.step_s,
         compute_s=compute,
-        tensor_s=m * tensor[busiest],
-        bubble_s=max(0.0, pipeline.step_s - compute - recompute - m * tensor[busiest]),
+        tensor_s=tensor_s,
+        bubble_s=max(0.0, pipeline.step_s - compute - recompute - tensor_s),
         data_parallel_s=max(exchange),
         optimizer_s=max(optimizer),
         stage_end_s=tuple(ends),
-        memory=tuple(s.memory(n) for s, n in zip(stages, pipeline.peak_in_flight, strict=True)),
+        memory=tuple(memory),
         recompute_s=recompute,
         timeline=pipeline.timeline,
     )

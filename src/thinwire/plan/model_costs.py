@@ -71,8 +71,22 @@ class ModelCosts:
     exchange: dict[tuple[int, int, str], tuple[PartExchange, ...]] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
 
+    def __getstate__(self) -> dict:
+        """What a pickle keeps: the profiles, not the parts worked out from them."""
+        return {k: v for k, v in self.__dict__.items() if k != "_in_subbatches"}
+
+    def _parts(self, tp: int, microbatch: int, subbatches: int) -> BlockProfiles:
+        """The parts at a sub-batch's size, worked out once per (tp, micro-batch,
+        sub-batches): the search asks for them for every stage of every plan."""
+        cache = self.__dict__.setdefault("_in_subbatches", {})
+        key = (tp, microbatch, subbatches)
+        if key not in cache:
+            cache[key] = in_subbatches_of(self.compute[(tp, microbatch // subbatches)], subbatches)
+        return cache[key]
+
     def merge(self, other: ModelCosts) -> None:
         """Add ``other``'s profiles (another ``tp``) to these."""
+        self.__dict__.pop("_in_subbatches", None)
         self.compute.update(other.compute)
         self.exchange.update(other.exchange)
         self.refused.update(other.refused)
@@ -85,7 +99,7 @@ class ModelCosts:
         the head and loss if ``last``) under ``tp`` and ``dp`` with ``method``,
         recomputing ``recompute`` of its blocks, each micro-batch in ``subbatches``
         sub-batches (its parts profiled at the sub-batch's size)."""
-        parts = in_subbatches_of(self.compute[(tp, microbatch // subbatches)], subbatches)
+        parts = self._parts(tp, microbatch, subbatches)
         cost = compose_stage(parts, blocks, first=first, last=last, recompute=recompute)
         if dp == 1:
             return cost

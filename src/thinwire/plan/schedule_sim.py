@@ -31,11 +31,14 @@ import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from thinwire.parallel.interleaved_program import interleaved_programs
 from thinwire.parallel.schedule_programs import BWD, FWD, PROGRAM_SCHEDULES, program
-from thinwire.plan.fluid_wire import FluidWire, ends
+from thinwire.plan.fluid_wire import FluidWire, ends, way
 
+#: two model chunks a rank, stage ``s`` on rank ``s % pp``
+INTERLEAVED = "interleaved-1f1b"
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
-SIMULATED_SCHEDULES = PROGRAM_SCHEDULES
+SIMULATED_SCHEDULES = (*PROGRAM_SCHEDULES, INTERLEAVED)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class Message:
 
 @dataclass(frozen=True)
 class PipelineTimes:
-    """The simulated step: when each stage finishes its last action, and its compute."""
+    """The simulated step: when each pipeline rank finishes its last action, and its
+    compute (a rank per stage, but for interleaved 1F1B: two stages a rank)."""
 
     stage_end_s: tuple[float, ...]
     stage_busy_s: tuple[float, ...]
@@ -115,11 +119,13 @@ class _Wire:
         forward: Sequence[Message],
         backward: Sequence[Message],
         links: Sequence[Sequence[Hashable]],
+        ranks: int = 0,
     ) -> None:
         self.messages = {FWD: forward, BWD: backward}
         self.links = links
+        self.ranks = ranks  # stages fold onto this many ranks (0: a rank per stage)
         self.socket_free: dict[tuple[int, int, int], float] = {}
-        self.link_free: dict[tuple[object, int, int], float] = {}
+        self.link_free: dict[Hashable, float] = {}
         self.send_posted: dict[_Wired, float] = {}
         self.ready: set[_Wired] = set()
         self.sent: dict[_Wired, float] = {}
@@ -130,8 +136,8 @@ class _Wire:
 
     def post_recv(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         """The receiver posts ``key``'s receive: its ready note leaves for the sender."""
-        sender, receiver = ends(key)
-        link = (self.links[key[2]][key[0]], receiver, sender)
+        sender, receiver = ends(key, self.ranks)
+        link = way(self.links[key[2]][key[0]], receiver, sender, key[1] != FWD)  # the note's
         left = max(
             now,
             self.socket_free.get((key[0], receiver, sender), 0.0),
@@ -151,18 +157,18 @@ class _Wire:
 
     def _transmit(self, key: _Wired, now: float) -> list[tuple[float, _Wired, str]]:
         message = self._message(key)
-        sender, receiver = ends(key)
+        sender, receiver = ends(key, self.ranks)
         socket = (key[0], sender, receiver)
-        link = (self.links[key[2]][key[0]], sender, receiver)
+        link = way(self.links[key[2]][key[0]], sender, receiver, key[1] == FWD)
         start = max(now, self.socket_free.get(socket, 0.0), self.link_free.get(link, 0.0))
         left = start + message.serialise_s
         self.socket_free[socket] = self.link_free[link] = left
         sent = max(now, left - message.buffered_s)
         return [(sent, key, "sent"), (left + message.latency_s, key, "arrived")]
 
-    def done(self, key: _Wired, stage: int) -> float | None:
-        """When ``stage``'s side of ``key`` completed (sent, or arrived), if it has."""
-        side = self.sent if ends(key)[0] == stage else self.arrived
+    def done(self, key: _Wired, rank: int) -> float | None:
+        """When ``rank``'s side of ``key`` completed (sent, or arrived), if it has."""
+        side = self.sent if ends(key, self.ranks)[0] == rank else self.arrived
         return side.get(key)
 
 
@@ -209,12 +215,19 @@ def simulate(
         )
     if sharing not in ("fluid", "fifo"):
         raise ValueError(f"sharing is 'fluid' or 'fifo', not {sharing!r}")
+    ranks = 0
+    if schedule == INTERLEAVED:
+        if count % 2 or count < 4:
+            raise ValueError(
+                f"interleaved 1F1B runs two stages on each of pp >= 2 ranks: got {count} stages"
+            )
+        ranks = count // 2
     wire = (
-        FluidWire(forward, backward, links)
+        FluidWire(forward, backward, links, ranks)
         if sharing == "fluid"
-        else _Wire(forward, backward, links)
+        else _Wire(forward, backward, links, ranks)
     )
-    return _EventLoop(schedule, microbatches, stages, wire, replicas).run()
+    return _EventLoop(schedule, microbatches, stages, wire, replicas, ranks).run()
 
 
 class _EventLoop:
@@ -227,22 +240,30 @@ class _EventLoop:
         stages: Sequence[StageTimes],
         wire: _Wire | FluidWire,
         replicas: int,
+        ranks: int = 0,
     ) -> None:
         self.schedule = schedule
         self.stages = stages
         self.wire = wire
         count = len(stages)
-        self.actors = [(r, s) for r in range(replicas) for s in range(count)]
-        self.programs = {
-            actor: iter(
-                program(schedule, actor[1], count, microbatches, stages[actor[1]].recompute_s > 0)
-            )
-            for actor in self.actors
-        }
+        self.ranks = ranks  # 0: a rank per stage; else stages fold onto this many ranks
+        per_replica = ranks or count
+        self.actors = [(r, k) for r in range(replicas) for k in range(per_replica)]
+        if ranks:
+            recompute = tuple(stage.recompute_s > 0 for stage in stages)
+            folded = interleaved_programs(ranks, microbatches, recompute)
+            self.programs = {actor: iter(folded[actor[1]]) for actor in self.actors}
+        else:  # one program per stage, whatever the replicas running it
+            by_stage = [
+                program(schedule, s, count, microbatches, stages[s].recompute_s > 0)
+                for s in range(count)
+            ]
+            self.programs = {actor: iter(by_stage[actor[1]]) for actor in self.actors}
         self.clock = dict.fromkeys(self.actors, 0.0)
         self.busy = dict.fromkeys(self.actors, 0.0)
-        self.in_flight = dict.fromkeys(self.actors, 0)
-        self.peak = dict.fromkeys(self.actors, 0)
+        held = [(r, s) for r in range(replicas) for s in range(count)]
+        self.in_flight = dict.fromkeys(held, 0)
+        self.peak = dict.fromkeys(held, 0)
         self.timeline: list[tuple[int, str, int, float, float]] = []
         self.waiting: dict[tuple[int, int], list[_Wired]] = {}
         self.finished: set[tuple[int, int]] = set()
@@ -270,31 +291,45 @@ class _EventLoop:
                     self._push(when, what, k)
                 continue
             (self.wire.sent if kind == "sent" else self.wire.arrived)[key] = now
-            for stage in ends(key):
-                actor = (key[0], stage)
+            for rank in ends(key, self.ranks):
+                actor = (key[0], rank)
                 if actor in self.waiting and self._settled(actor) is not None:
                     del self.waiting[actor]
                     self._push(now, "run", actor)
         if len(self.finished) != len(self.actors):
             raise RuntimeError(f"the simulated {self.schedule} schedule deadlocked: {self.waiting}")
         count = len(self.stages)
-        replicas = range(len(self.actors) // count)
+        ranks = self.ranks or count
+        replicas = range(len(self.actors) // ranks)
         return PipelineTimes(
-            tuple(max(self.clock[(r, s)] for r in replicas) for s in range(count)),
-            tuple(self.busy[(0, s)] for s in range(count)),
+            tuple(max(self.clock[(r, k)] for r in replicas) for k in range(ranks)),
+            tuple(self.busy[(0, k)] for k in range(ranks)),
             tuple(self.peak[(0, s)] for s in range(count)),
             tuple(sorted(self.timeline, key=lambda event: (event[0], event[3]))),
         )
 
     def _settled(self, actor: tuple[int, int]) -> float | None:
-        ends = [self.wire.done(key, actor[1]) for key in self.waiting[actor]]
-        return None if any(end is None for end in ends) else max(ends, default=0.0)  # type: ignore[type-var]
+        """When everything ``actor`` waits for completed on its side, if it has (the
+        hottest loop of a search: :meth:`_Wire.done` inlined)."""
+        rank, ranks = actor[1], self.ranks
+        sent, arrived = self.wire.sent, self.wire.arrived
+        latest = 0.0
+        for key in self.waiting[actor]:
+            sender = key[2] if key[1] == FWD else key[2] + 1
+            if ranks:
+                sender %= ranks
+            end = (sent if sender == rank else arrived).get(key)
+            if end is None:
+                return None
+            latest = max(latest, end)
+        return latest
 
     def _advance(self, actor: tuple[int, int], now: float) -> None:
         self.clock[actor] = max(self.clock[actor], now)
-        replica, stage = actor
+        replica, rank = actor
         for op in self.programs[actor]:
             if op[0] == "compute":
+                stage = op[4] if len(op) > 4 else rank  # interleaved: the stage it names
                 times = self.stages[stage]
                 seconds = {"F": times.forward_s, "R": times.recompute_s, "B": times.backward_s}[
                     op[1]
@@ -303,8 +338,9 @@ class _EventLoop:
                 if replica == 0:
                     start = self.clock[actor]
                     self.timeline.append((stage, op[1], op[2], start, start + seconds))
-                self.in_flight[actor] += {"F": 1, "R": 0, "B": -1}[op[1]]
-                self.peak[actor] = max(self.peak[actor], self.in_flight[actor])
+                held = (replica, stage)
+                self.in_flight[held] += {"F": 1, "R": 0, "B": -1}[op[1]]
+                self.peak[held] = max(self.peak[held], self.in_flight[held])
                 self._push(self.clock[actor] + seconds, "run", actor)
                 return
             if op[0] == "post":

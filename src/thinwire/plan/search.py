@@ -5,14 +5,17 @@ The space (:func:`shapes`): degrees ``dp x pp x tp`` whose product is the world,
 parallelism kept inside a host (its all-reduces run per layer: only fast links can carry
 them), no more stages than blocks; micro-batches from :attr:`SearchSpace.microbatches`
 that split the global batch evenly; GPipe, and 1F1B and shifted 1F1B where they apply
-(``m >= pp``); the data-parallel method among :attr:`SearchSpace.methods` (only dense
-without data parallelism). For each, :func:`thinwire.plan.split.best_split` cuts the stages
-(Alpa's objective, every stage within the limit); where no split fits, each stage of the
-fastest split recomputes the least of its blocks that brings it under the limit (Merak's
-stage-aware recomputation; shifted 1F1B is searched only then, since without recomputation
-it is 1F1B); :func:`thinwire.plan.hybrid_cost.predict_plan` predicts the step and the
-memory of every rank. Plans that fit are ranked by predicted
-step; those that do not, by how far over they are.
+(``m >= pp``), and interleaved 1F1B (two stages a rank, ``m`` a multiple of ``pp``, at
+least ``2 pp`` blocks; each stage checked against the limit in the split, each rank's two
+stages together in the prediction; not offered recomputation); the data-parallel method
+among :attr:`SearchSpace.methods` (only dense without data parallelism). For each,
+:func:`thinwire.plan.split.best_split` cuts the stages (Alpa's objective, every stage
+within the limit); where no split fits, each stage of the fastest split recomputes the
+least of its blocks that brings it under the limit (Merak's stage-aware recomputation;
+shifted 1F1B is searched only then, since without recomputation it is 1F1B);
+:func:`thinwire.plan.hybrid_cost.predict_plan` predicts the step and the memory of every
+rank. Plans that fit are ranked by predicted step; those that do not, by how far over
+they are.
 
 Everything here is arithmetic on profiles (:class:`thinwire.plan.model_costs.ModelCosts`)
 and a probe: no process is started and nothing is measured.
@@ -24,12 +27,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from thinwire.parallel.plan import ParallelPlan
+from thinwire.parallel.plan import CHUNKS_PER_RANK, ParallelPlan
 from thinwire.parallel.plan_spec import plan_label
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, PlanPrediction, StageCost, predict_plan
 from thinwire.plan.model_costs import Method, ModelCosts
 from thinwire.plan.probe import LinkProbe
 from thinwire.plan.recompute_choice import least_ratios
+from thinwire.plan.schedule_sim import INTERLEAVED
 from thinwire.plan.split import PartCost, Split, best_split, in_flight
 
 #: the data-parallel methods searched by default
@@ -45,7 +49,7 @@ class SearchSpace:
     """What the search may choose besides the degrees."""
 
     microbatches: tuple[int, ...] = (1, 2, 4, 8)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "shifted-1f1b")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "shifted-1f1b", "interleaved-1f1b")
     methods: tuple[Method, ...] = DEFAULT_METHODS
     recompute: bool = True
     """Whether a plan over the memory limit may recompute (each stage the least of its
@@ -113,6 +117,8 @@ def shapes(
                 for schedule in schedules:
                     if schedule in ("1f1b", "shifted-1f1b") and pp > 1 and m < pp:
                         continue  # 1F1B with fewer micro-batches than stages is GPipe
+                    if schedule == INTERLEAVED and (m % pp or 2 * pp > blocks):
+                        continue  # rounds of pp micro-batches; two chunks a rank
                     for method in space.methods if dp > 1 else [("dense", {})]:
                         for parts in space.subbatches if tp > 1 else (1,):
                             if (batch // (dp * m)) % parts:
@@ -220,7 +226,7 @@ def _part_costs(
 
 def prepare(
     costs: ModelCosts, shape: Shape, probe: LinkProbe, memory_limit: int | None,
-    recompute: bool = False,
+    recompute: bool = False, parts: dict | None = None,
 ) -> Prepared | None:  # fmt: skip
     """``shape`` with its stages cut (the best split within ``memory_limit``, or the
     fastest if none fits) and each stage's cost. With ``recompute``, a split over the limit
@@ -228,18 +234,27 @@ def prepare(
     needs no recomputation (it is 1F1B)."""
     degrees = Degrees(shape.dp, shape.pp, shape.tp, shape.microbatches, shape.schedule)
     links = PlanOnLinks(degrees, probe)
-    first, blocks, last = _part_costs(costs, shape, links)
+    # the parts cost the same whatever the schedule: shapes that differ only there share them
+    key = (shape.dp, shape.tp, shape.microbatches, repr(shape.method), shape.subbatches)
+    found = parts.get(key) if parts is not None else None
+    if found is None:
+        found = _part_costs(costs, shape, links)
+        if parts is not None:
+            parts[key] = found
+    first, blocks, last = found
+    count = shape.pp * CHUNKS_PER_RANK[shape.schedule]  # stages, two a rank if interleaved
     split: Split | None = best_split(
-        first, blocks, last, shape.pp, shape.schedule, shape.microbatches, memory_limit
+        first, blocks, last, count, shape.schedule, shape.microbatches, memory_limit
     )
     fits = split is not None
     if split is None:
-        split = best_split(first, blocks, last, shape.pp, shape.schedule, shape.microbatches)
+        split = best_split(first, blocks, last, count, shape.schedule, shape.microbatches)
     assert split is not None
     edges = [0, *split.boundaries, costs.blocks]
-    ranges = [range(edges[s], edges[s + 1]) for s in range(shape.pp)]
+    ranges = [range(edges[s], edges[s + 1]) for s in range(count)]
     ratios = None
-    if recompute and not fits and memory_limit is not None:
+    # (interleaved plans are not offered recomputation: its runtime checkpoints per rank)
+    if recompute and not fits and memory_limit is not None and shape.schedule != INTERLEAVED:
         ratios = _least_ratios(costs, shape, ranges, memory_limit)
     if shape.schedule == "shifted-1f1b" and ratios is None:
         return None
@@ -254,8 +269,9 @@ def _stage_costs(
     mb = shape.microbatch_size(costs.batch_size)
     return tuple(
         costs.stage(
-            shape.tp, mb, shape.dp, shape.method, kept, first=s == 0, last=s == shape.pp - 1,
-            recompute=ratios[s] if ratios else 0.0, subbatches=shape.subbatches,
+            shape.tp, mb, shape.dp, shape.method, kept, first=s == 0,
+            last=s == len(ranges) - 1, recompute=ratios[s] if ratios else 0.0,
+            subbatches=shape.subbatches,
         )
         for s, kept in enumerate(ranges)
     )  # fmt: skip
@@ -315,10 +331,11 @@ def search(
         else:
             usable.append(shape)
     refused = list(dict.fromkeys(refused))
+    parts: dict = {}
     prepared = [
         p
         for shape in usable
-        if (p := prepare(costs, shape, probe, memory_limit, space.recompute)) is not None
+        if (p := prepare(costs, shape, probe, memory_limit, space.recompute, parts)) is not None
     ]
     fitting, over = rank(prepared, probe, memory_limit)
     return SearchResult(

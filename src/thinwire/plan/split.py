@@ -13,8 +13,11 @@ stages can take fewer blocks. :func:`best_split` finds it exactly in ``O(pp * bl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from thinwire.parallel.interleaved_program import compute_order
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,26 @@ class PartCost:
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     """Micro-batches whose activations stage ``stage`` holds at its peak: all of them
-    under GPipe, ``min(m, stages - stage)`` under 1F1B."""
+    under GPipe, ``min(m, stages - stage)`` under 1F1B; under interleaved 1F1B (``stages``
+    counting both chunks of each rank) the most of its forwards not yet followed by their
+    backward in its rank's compute order."""
     if schedule == "gpipe":
         return microbatches
+    if schedule == "interleaved-1f1b":
+        return _interleaved_peaks(stages // 2, microbatches)[stage]
     return min(microbatches, stages - stage)
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_peaks(ranks: int, microbatches: int) -> tuple[int, ...]:
+    held, peak = [0] * (2 * ranks), [0] * (2 * ranks)
+    for rank in range(ranks):
+        for slot in compute_order(rank, ranks, microbatches):
+            if slot is not None:
+                kind, stage, _ = slot
+                held[stage] += 1 if kind == "F" else -1
+                peak[stage] = max(peak[stage], held[stage])
+    return tuple(peak)
 
 
 @dataclass(frozen=True)
@@ -105,22 +124,24 @@ def best_split(
         raise ValueError(
             f"cannot cut {count} blocks into {stages} stages (each holds at least one block)"
         )
-    prefix = [PartCost(0.0)]
+    # prefix sums as plain numbers: the search runs this for every plan it looks at
+    seconds_to, static_to, saved_to = [0.0], [0], [0]
     for block in blocks:
-        prefix.append(prefix[-1] + block)
+        seconds_to.append(seconds_to[-1] + block.seconds)
+        static_to.append(static_to[-1] + block.static_bytes)
+        saved_to.append(saved_to[-1] + block.saved_bytes)
+    held_at = [in_flight(schedule, stage, stages, microbatches) for stage in range(stages)]
 
     def cost(stage: int, start: int, end: int) -> float | None:
-        part = _minus(prefix[end], prefix[start])
-        if stage == 0:
-            part = part + first
-        if stage == stages - 1:
-            part = part + last
-        held = part.static_bytes + part.saved_bytes * in_flight(
-            schedule, stage, stages, microbatches
-        )
-        if memory_limit is not None and held > memory_limit:
+        seconds = seconds_to[end] - seconds_to[start]
+        static, saved = static_to[end] - static_to[start], saved_to[end] - saved_to[start]
+        for edge, part in ((0, first), (stages - 1, last)):
+            if stage == edge:
+                seconds += part.seconds
+                static, saved = static + part.static_bytes, saved + part.saved_bytes
+        if memory_limit is not None and static + saved * held_at[stage] > memory_limit:
             return None
-        return part.seconds
+        return seconds
 
     inf = float("inf")
     # best[s][end]: the slowest stage of the best way to put blocks :end into stages :s+1
@@ -148,9 +169,3 @@ def best_split(
         end = choice[stage][end]
         boundaries.append(end)
     return split_cost(first, blocks, last, tuple(reversed(boundaries)), schedule, microbatches)
-
-
-def _minus(a: PartCost, b: PartCost) -> PartCost:
-    return PartCost(
-        a.seconds - b.seconds, a.static_bytes - b.static_bytes, a.saved_bytes - b.saved_bytes
-    )

@@ -23,6 +23,7 @@ what its parts cost (bytes exactly, as ``tests/test_hybrid_sleep.py`` checks).
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ class Collective:
     @property
     def nbytes(self) -> int:
         """The tensor's size in bytes."""
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.torch_dtype).itemsize
+        return math.prod(self.shape) * self.torch_dtype.itemsize
 
     @property
     def torch_dtype(self) -> torch.dtype:
