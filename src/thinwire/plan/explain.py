@@ -77,11 +77,14 @@ def _breakdown(chosen: Evaluated) -> list[str]:
         f"all-reduces {p.tensor_s:.3f} s, pipeline bubble and messages {exposed:.3f} s, "
         f"data-parallel exchange {p.data_parallel_s:.3f} s, optimizer {p.optimizer_s:.3f} s, "
         f"recomputation {p.recompute_s:.3f} s",
-        f"  peak memory per rank {_gib(p.peak_memory_bytes)}; per stage:",
+        f"  peak memory per rank {_gib(p.peak_memory_bytes)}; per pipeline rank:",
     ]
-    for stage, held in enumerate(p.memory):
+    two = chosen.plan.schedule == "interleaved-1f1b"
+    pp = chosen.plan.pp
+    for k, held in enumerate(p.memory):
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in held.items() if k != "total")
-        lines.append(f"    stage {stage}: {_gib(held['total'])} ({parts})")
+        name = f"stages {k} and {k + pp}" if two else f"stage {k}"
+        lines.append(f"    {name}: {_gib(held['total'])} ({parts})")
     return lines
 
 

@@ -23,6 +23,7 @@ from thinwire.plan.model_costs import Method, ModelCosts, profile_model
 from thinwire.plan.model_source import ModelSource
 from thinwire.plan.nominal_links import nominal_probe
 from thinwire.plan.probe import LinkProbe
+from thinwire.plan.schedule_sim import SIMULATED_SCHEDULES
 from thinwire.plan.search import SearchResult, SearchSpace, needs, search, shapes
 
 
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--microbatches", default="1,2,4,8", help="micro-batch counts to try")
     group.add_argument(
         "--schedules",
-        default="gpipe,1f1b,shifted-1f1b",
+        default=",".join(SearchSpace().schedules),
         help="pipeline schedules to try (shifted-1f1b only where a plan recomputes)",
     )
     group.add_argument(
@@ -170,10 +171,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             methods=parse_methods(args.dp_methods),
             subbatches=_numbers(args.subbatches, "subbatches"),
         )
-        unknown = set(space.schedules) - {"gpipe", "1f1b", "shifted-1f1b"}
+        unknown = set(space.schedules) - set(SIMULATED_SCHEDULES)
         if unknown:
             raise ValueError(
-                f"--schedules: the planner searches gpipe, 1f1b and shifted-1f1b, not {unknown}"
+                f"--schedules: the planner searches {', '.join(SIMULATED_SCHEDULES)}, not "
+                f"{', '.join(sorted(unknown))}"
             )
         if args.json and Path(args.json).is_dir():
             raise ValueError(f"--json {args.json} is a directory; give the file to write")
