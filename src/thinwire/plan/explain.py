@@ -81,9 +81,9 @@ def _breakdown(chosen: Evaluated) -> list[str]:
     ]
     two = chosen.plan.schedule == "interleaved-1f1b"
     pp = chosen.plan.pp
-    for k, held in enumerate(p.memory):
+    for index, held in enumerate(p.memory):
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in held.items() if k != "total")
-        name = f"stages {k} and {k + pp}" if two else f"stage {k}"
+        name = f"stages {index} and {index + pp}" if two else f"stage {index}"
         lines.append(f"    {name}: {_gib(held['total'])} ({parts})")
     return lines
 
