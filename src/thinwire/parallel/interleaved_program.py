@@ -94,6 +94,8 @@ def runtime_slots(rank: int, ranks: int, microbatches: int, chunks: int = 2) -> 
     without its idle slots, a bookkeeping slot per chunk before the first compute
     (unshard), one after each chunk's last backward (its gradients' reduction) and one
     before the compute after its last (reshard), and one per chunk still held at the end."""
+    if chunks > 3:  # PyTorch then unshards ahead by three chunks at most: not written here
+        raise ValueError(f"the runtime's lowering is written here for 1-3 chunks, not {chunks}")
     computes = [slot for slot in compute_order(rank, ranks, microbatches, chunks) if slot]
     last_use = {stage: i for i, (_, stage, _) in enumerate(computes)}
     held = list(dict.fromkeys(stage for _, stage, _ in computes))
