@@ -229,3 +229,50 @@ def test_register_refuses_a_device_refusal_it_cannot_give(pool2) -> None:
     assert "fused=True" in plain
     assert "powersgd-oneround cannot undo a step on the device" in oneround
     assert "refusal must be one of auto, device, host" in unknown
+
+
+def train_wrapped(rank: int, world: int, skip: bool) -> dict[str, Any]:
+    """:func:`train` through ``DistributedOptimizer(refusal="device")`` with top-k."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    inner = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    optimizer = thinwire.DistributedOptimizer(inner, model, "topk", density=0.25, refusal="device")
+    optimizer.engine.defer_verdicts = True
+    data = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            x = torch.randn(4, 8, generator=data)
+            if step == BAD_STEP:
+                if skip:
+                    continue
+                if rank == 1:
+                    x[0, 0] = NAN
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()  # step 3: skipped on the device, no error
+    return {
+        "warned": [str(w.message) for w in caught if w.category is NonFiniteGradientWarning],
+        "params": [p.detach().clone() for p in model.parameters()],
+        "optimizer": inner.state_dict()["state"],
+        "memory": optimizer.engine.memory.state_dict(),
+    }
+
+
+@pytest.mark.multiprocess
+def test_the_optimizer_wrapper_refuses_on_the_device_too(pool2) -> None:
+    refused = pool2.run(train_wrapped, False, timeout=90)
+    skipped = pool2.run(train_wrapped, True, timeout=90)
+    for rank in range(2):
+        assert len(refused[rank]["warned"]) == 1 and not skipped[rank]["warned"]
+        for part in ("params", "optimizer", "memory"):
+            assert same(refused[rank][part], skipped[rank][part]), (rank, part)
+
+
+def test_the_optimizer_wrapper_refuses_an_unknown_refusal() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="refusal must be one of auto, device, host"):
+        thinwire.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, refusal="never",
+            broadcast_parameters=False,
+        )  # fmt: skip

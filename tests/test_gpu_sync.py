@@ -133,6 +133,32 @@ def test_no_host_wait_in_a_steady_state_step(nccl: None, method: str) -> None:
     assert syncs_in_a_step(method, 16, width=128, bucket_mb=0.1, fused=True) == 0
 
 
+def test_no_host_wait_through_the_optimizer_wrapper(nccl: None) -> None:
+    """``DistributedOptimizer(refusal="device")`` with a fused SGD: no wait either."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]).cuda()
+    inner = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
+    optimizer = thinwire.DistributedOptimizer(inner, model, "topk", density=0.01, refusal="device")
+    inputs = torch.randn(8, 64, device="cuda")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        model(inputs).square().mean().backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [w for w in caught if "synchroniz" in str(w.message) and "thinwire" in w.filename]
+
+
 def train_with_a_nan(method: str, steps: int) -> list[torch.Tensor]:
     """``steps`` steps on the GPU with a fused SGD, the fourth one's batch (if taken)
     holding a NaN. Returns the weights and thinwire's memory after them."""

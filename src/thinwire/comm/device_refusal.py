@@ -118,3 +118,32 @@ class DeviceRefusal:
             optimizer.found_inf = earlier
         else:
             del optimizer.found_inf
+
+
+#: the ways a GPU step with a non-finite gradient can be refused (``register``'s and
+#: ``DistributedOptimizer``'s ``refusal``)
+REFUSALS = ("auto", "device", "host")
+
+
+def device_refusal(
+    refusal: str, optimizer: torch.optim.Optimizer | None, engine: Any
+) -> DeviceRefusal | None:
+    """What refuses ``engine``'s (a :class:`~thinwire.comm.engine.GradientExchange`) GPU
+    steps on the device under ``refusal`` (``None``: the host reads the verdict);
+    ``"device"`` that cannot be is refused with the reason."""
+    if refusal not in REFUSALS:
+        raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
+    able = engine.compressor.undoes_on_device and engine.memory.undoes_on_device
+    fused = optimizer is not None and skips_on_device(optimizer)
+    if refusal == "device" and not (fused and able):
+        why = (
+            f"{engine.compressor.name} cannot undo a step on the device"
+            if not able
+            else "it needs optimizer= a fused optimizer (fused=True: Adam, AdamW, SGD, "
+            "Adagrad), which can skip a step on the device"
+        )
+        raise ValueError(f"refusal='device': {why}; use refusal='host' or 'auto'")
+    if refusal == "host" or not (fused and able):
+        return None
+    assert optimizer is not None
+    return DeviceRefusal(optimizer)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.collectives import Communicator, sibling_group
-from thinwire.comm.device_refusal import DeviceRefusal, skips_on_device
+from thinwire.comm.device_refusal import REFUSALS, device_refusal
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.comm.survey import KeptItems
 from thinwire.compress.base import Compressor, Memory, check_flag
@@ -171,7 +171,7 @@ def register(
             f"got {type(optimizer).__name__}"
         )
     check_flag("fuse_rounds", fuse_rounds)
-    if refusal not in REFUSALS:
+    if refusal not in REFUSALS:  # checked before anything is built
         raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
     built = build_compressor(compressor, **options)
     if optimizer is not None:
@@ -195,31 +195,6 @@ def register(
     state = HookState(engine, {id(p): n for n, p in named}, fuse_rounds=fuse_rounds)
     model.register_comm_hook(state, compressed_hook)
     return engine
-
-
-#: the ways ``register`` can refuse a GPU step with a non-finite gradient
-REFUSALS = ("auto", "device", "host")
-
-
-def device_refusal(
-    refusal: str, optimizer: torch.optim.Optimizer | None, engine: GradientExchange
-) -> DeviceRefusal | None:
-    """What refuses ``engine``'s GPU steps on the device under ``refusal`` (``None``: the
-    host reads the verdict); ``"device"`` that cannot be is refused with the reason."""
-    able = engine.compressor.undoes_on_device and engine.memory.undoes_on_device
-    fused = optimizer is not None and skips_on_device(optimizer)
-    if refusal == "device" and not (fused and able):
-        why = (
-            f"{engine.compressor.name} cannot undo a step on the device"
-            if not able
-            else "it needs optimizer= a fused optimizer (fused=True: Adam, AdamW, SGD, "
-            "Adagrad), which can skip a step on the device"
-        )
-        raise ValueError(f"refusal='device': {why}; use refusal='host' or 'auto'")
-    if refusal == "host" or not (fused and able):
-        return None
-    assert optimizer is not None
-    return DeviceRefusal(optimizer)
 
 
 def compressed_hook(

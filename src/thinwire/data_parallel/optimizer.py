@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.collectives import Communicator, sibling_group
+from thinwire.comm.device_refusal import REFUSALS, device_refusal
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.gradients import gradient_of
 from thinwire.comm.replicas import broadcast_where_different
@@ -60,6 +61,11 @@ class DistributedOptimizer:
         own_group: run the exchange on a new process group of ``group``'s ranks (for
             exchanges that run in the background while the program issues collectives of
             its own, as :class:`~thinwire.DelayedAveraging`'s do).
+        refusal: how a GPU step with a NaN or Inf gradient on some rank is refused, as in
+            :func:`thinwire.register`: ``"host"`` (default here: the verdict read once a
+            step, :class:`~thinwire.errors.NonFiniteGradientError` raised by :meth:`step`),
+            ``"device"`` (``optimizer`` a fused one: skipped on the GPU, no host wait,
+            warned later) or ``"auto"`` (``"device"`` where it can be).
         **options: compressor options when ``compressor`` is a name.
     """
 
@@ -76,6 +82,7 @@ class DistributedOptimizer:
         group: dist.ProcessGroup | None = None,
         broadcast_parameters: bool = True,
         own_group: bool = False,
+        refusal: str = "host",
         **options: Any,
     ) -> None:
         check_first_order(optimizer)
@@ -84,6 +91,8 @@ class DistributedOptimizer:
         check_flag("fuse_rounds", fuse_rounds)
         check_flag("broadcast_parameters", broadcast_parameters)
         check_flag("own_group", own_group)
+        if refusal not in REFUSALS:
+            raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
         built = build_compressor(compressor, **options)
         built.check_optimizer(optimizer)
         # less the tables thinwire.data_parallel.sparse shards (DDP's ignore list): each
@@ -97,6 +106,7 @@ class DistributedOptimizer:
             built, communicator=communicator, memory=memory, group=exchange_group
         )
         self.engine.verify(self.parameters)
+        self.engine.device_refusal = device_refusal(refusal, optimizer, self.engine)
         if broadcast_parameters:  # rank 0's weights everywhere, sending only what differs
             root = dist.get_global_rank(group, 0) if group else 0
             broadcast_where_different([(n, p.data) for n, p in self.parameters], root, group)
