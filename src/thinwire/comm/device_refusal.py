@@ -125,14 +125,19 @@ class DeviceRefusal:
 REFUSALS = ("auto", "device", "host")
 
 
+def check_refusal(refusal: str) -> None:
+    """Refuse a ``refusal`` that is none of :data:`REFUSALS`, saying which there are."""
+    if refusal not in REFUSALS:
+        raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
+
+
 def device_refusal(
     refusal: str, optimizer: torch.optim.Optimizer | None, engine: Any
 ) -> DeviceRefusal | None:
     """What refuses ``engine``'s (a :class:`~thinwire.comm.engine.GradientExchange`) GPU
     steps on the device under ``refusal`` (``None``: the host reads the verdict);
     ``"device"`` that cannot be is refused with the reason."""
-    if refusal not in REFUSALS:
-        raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
+    check_refusal(refusal)
     able = engine.compressor.undoes_on_device and engine.memory.undoes_on_device
     fused = optimizer is not None and skips_on_device(optimizer)
     if refusal == "device" and not (fused and able):

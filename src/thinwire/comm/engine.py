@@ -105,8 +105,9 @@ class GradientExchange:
         #: the step's verdicts not read yet (device flags), and the batches they cover
         self._verdicts: list[Tensor] = []
         self._suspects: list[Batch] = []
-        #: refuses a lazy step on the device instead (set by ``register`` for a fused
-        #: optimizer; used where the memory and the compressor can undo a step there)
+        #: refuses a lazy step on the device instead (``register`` and the optimizer
+        #: wrapper set it for a fused optimizer, where the memory and the compressor can
+        #: undo a step there: :func:`~thinwire.comm.device_refusal.device_refusal`)
         self.device_refusal: DeviceRefusal | None = None
         #: per DDP bucket, its last exchange's order (saved: a resumed first step keeps it)
         self.bucket_orders: dict[int, list[str]] = {}
@@ -305,13 +306,7 @@ class GradientExchange:
 
     def _refuses_on_device(self) -> bool:
         """Whether this step's lazy verdicts stay on the device (:attr:`device_refusal`)."""
-        refusal = self.device_refusal
-        return (
-            refusal is not None
-            and refusal.ready
-            and self.memory.undoes_on_device
-            and self.compressor.undoes_on_device
-        )
+        return self.device_refusal is not None and self.device_refusal.ready
 
     def _commit(self) -> None:
         """Keep the step's memory; where its verdicts stayed on the device, keep it only

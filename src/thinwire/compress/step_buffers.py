@@ -120,12 +120,11 @@ class StepBuffers:
         for (kept, spare), like in zip(pairs, likes, strict=True):
             if kept is None or spare is None or not kept[0].shape == spare[0].shape == like.shape:
                 return None  # begin() would make a buffer: not the blocks any more
-        starts = (pairs[0][1][0].data_ptr(), pairs[0][0][0].data_ptr())
-        for new, old in ((blocks[1], blocks[0]), (blocks[0], blocks[1])):
-            if starts == (new[0].data_ptr(), old[0].data_ptr()):
-                fresh = [self.begin(key, like)[1] for key, like in zip(group, likes, strict=True)]
-                return fresh, tuple(old), tuple(new)
-        return None
+        found = _new_and_old(blocks, pairs[0][1], pairs[0][0])
+        if found is None:
+            return None
+        fresh = [self.begin(key, like)[1] for key, like in zip(group, likes, strict=True)]
+        return fresh, tuple(found[1]), tuple(found[0])
 
     def current(self, key: str) -> tuple[Tensor, ...]:
         """``key``'s newest state: this step's if it began, else the committed one."""
@@ -151,13 +150,11 @@ class StepBuffers:
                 key not in self._pending for key in group
             ):
                 continue
-            starts = (self._pending[group[0]][0].data_ptr(), self.kept[group[0]][0].data_ptr())
-            for new, old in ((blocks[1], blocks[0]), (blocks[0], blocks[1])):
-                if starts == (new[0].data_ptr(), old[0].data_ptr()):
-                    for after, before in zip(new, old, strict=True):
-                        torch.where(refused, before, after, out=after)
-                    done.update(group)
-                    break
+            found = _new_and_old(blocks, self._pending[group[0]], self.kept[group[0]])
+            if found is not None:
+                for after, before in zip(*found, strict=True):
+                    torch.where(refused, before, after, out=after)
+                done.update(group)
         rest = [key for key in self._pending if key not in done]
         where_many(
             refused,
@@ -193,3 +190,16 @@ class StepBuffers:
         return tuple(
             make(like.shape, dtype=torch.float32, device=like.device) for _ in range(self.count)
         )
+
+
+def _new_and_old(
+    blocks: list[list[Tensor]], fresh: tuple[Tensor, ...], kept: tuple[Tensor, ...]
+) -> tuple[list[Tensor], list[Tensor]] | None:
+    """Which of a group's two sets of blocks holds the step's state (``fresh``, its first
+    key's buffers) and which the committed one (``kept``): ``(new, old)``, or ``None``
+    where the buffers are not the blocks' starts."""
+    starts = (fresh[0].data_ptr(), kept[0].data_ptr())
+    for new, old in ((blocks[1], blocks[0]), (blocks[0], blocks[1])):
+        if starts == (new[0].data_ptr(), old[0].data_ptr()):
+            return new, old
+    return None

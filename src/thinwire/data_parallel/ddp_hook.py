@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.collectives import Communicator, sibling_group
-from thinwire.comm.device_refusal import REFUSALS, device_refusal
+from thinwire.comm.device_refusal import check_refusal, device_refusal
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.comm.survey import KeptItems
 from thinwire.compress.base import Compressor, Memory, check_flag
@@ -171,8 +171,7 @@ def register(
             f"got {type(optimizer).__name__}"
         )
     check_flag("fuse_rounds", fuse_rounds)
-    if refusal not in REFUSALS:  # checked before anything is built
-        raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
+    check_refusal(refusal)  # before anything is built
     built = build_compressor(compressor, **options)
     if optimizer is not None:
         built.check_optimizer(optimizer)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.collectives import Communicator, sibling_group
-from thinwire.comm.device_refusal import REFUSALS, device_refusal
+from thinwire.comm.device_refusal import check_refusal, device_refusal
 from thinwire.comm.engine import GradientExchange, GradientItem, StepStats
 from thinwire.comm.gradients import gradient_of
 from thinwire.comm.replicas import broadcast_where_different
@@ -91,8 +91,7 @@ class DistributedOptimizer:
         check_flag("fuse_rounds", fuse_rounds)
         check_flag("broadcast_parameters", broadcast_parameters)
         check_flag("own_group", own_group)
-        if refusal not in REFUSALS:
-            raise ValueError(f"refusal must be one of {', '.join(REFUSALS)}, got {refusal!r}")
+        check_refusal(refusal)
         built = build_compressor(compressor, **options)
         built.check_optimizer(optimizer)
         # less the tables thinwire.data_parallel.sparse shards (DDP's ignore list): each

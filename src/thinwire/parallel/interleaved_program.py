@@ -31,6 +31,8 @@ from collections import defaultdict
 
 from thinwire.parallel.schedule_programs import BWD, FWD, IN_BACKWARD, Action
 
+#: the schedule's name in a :class:`~thinwire.ParallelPlan`
+INTERLEAVED = "interleaved-1f1b"
 #: a compute slot: ("F" | "B", stage, micro-batch), or None (an idle slot)
 Slot = tuple[str, int, int] | None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from thinwire.parallel.interleaved_program import INTERLEAVED
 from thinwire.plan.model_costs import ModelCosts
 from thinwire.plan.nominal_links import between_hosts_bps, scale_between_hosts
 from thinwire.plan.probe import LinkProbe
@@ -79,7 +80,7 @@ def _breakdown(chosen: Evaluated) -> list[str]:
         f"recomputation {p.recompute_s:.3f} s",
         f"  peak memory per rank {_gib(p.peak_memory_bytes)}; per pipeline rank:",
     ]
-    two = chosen.plan.schedule == "interleaved-1f1b"
+    two = chosen.plan.schedule == INTERLEAVED
     pp = chosen.plan.pp
     for index, held in enumerate(p.memory):
         parts = ", ".join(f"{k} {_gib(v)}" for k, v in held.items() if k != "total")

@@ -161,8 +161,3 @@ class FluidWire:
             return []
         self._advance(way, now)
         return self._settle(name, now)
-
-    def done(self, key: _Wired, rank: int) -> float | None:
-        """When ``rank``'s side of ``key`` completed (sent, or arrived), if it has."""
-        side = self.sent if ends(key, self.ranks)[0] == rank else self.arrived
-        return side.get(key)

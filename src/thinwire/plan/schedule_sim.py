@@ -31,12 +31,10 @@ import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from thinwire.parallel.interleaved_program import interleaved_programs
+from thinwire.parallel.interleaved_program import INTERLEAVED, interleaved_programs
 from thinwire.parallel.schedule_programs import BWD, FWD, PROGRAM_SCHEDULES, program
 from thinwire.plan.fluid_wire import FluidWire, ends, way
 
-#: two model chunks a rank, stage ``s`` on rank ``s % pp``
-INTERLEAVED = "interleaved-1f1b"
 #: the schedules simulated here, by the names a :class:`thinwire.ParallelPlan` gives them
 SIMULATED_SCHEDULES = (*PROGRAM_SCHEDULES, INTERLEAVED)
 
@@ -165,11 +163,6 @@ class _Wire:
         self.socket_free[socket] = self.link_free[link] = left
         sent = max(now, left - message.buffered_s)
         return [(sent, key, "sent"), (left + message.latency_s, key, "arrived")]
-
-    def done(self, key: _Wired, rank: int) -> float | None:
-        """When ``rank``'s side of ``key`` completed (sent, or arrived), if it has."""
-        side = self.sent if ends(key, self.ranks)[0] == rank else self.arrived
-        return side.get(key)
 
 
 def simulate(
@@ -309,8 +302,9 @@ class _EventLoop:
         )
 
     def _settled(self, actor: tuple[int, int]) -> float | None:
-        """When everything ``actor`` waits for completed on its side, if it has (the
-        hottest loop of a search: :meth:`_Wire.done` inlined)."""
+        """When everything ``actor`` waits for completed on its side (sent, or arrived),
+        if it has: the hottest loop of a search, so the sender of each key (``ends``) is
+        worked out inline."""
         rank, ranks = actor[1], self.ranks
         sent, arrived = self.wire.sent, self.wire.arrived
         latest = 0.0

@@ -27,13 +27,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from thinwire.parallel.interleaved_program import INTERLEAVED
 from thinwire.parallel.plan import CHUNKS_PER_RANK, ParallelPlan
 from thinwire.parallel.plan_spec import plan_label
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, PlanPrediction, StageCost, predict_plan
 from thinwire.plan.model_costs import Method, ModelCosts
 from thinwire.plan.probe import LinkProbe
 from thinwire.plan.recompute_choice import least_ratios
-from thinwire.plan.schedule_sim import INTERLEAVED
 from thinwire.plan.split import PartCost, Split, best_split, in_flight
 
 #: the data-parallel methods searched by default
@@ -49,7 +49,7 @@ class SearchSpace:
     """What the search may choose besides the degrees."""
 
     microbatches: tuple[int, ...] = (1, 2, 4, 8)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "shifted-1f1b", "interleaved-1f1b")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "shifted-1f1b", INTERLEAVED)
     methods: tuple[Method, ...] = DEFAULT_METHODS
     recompute: bool = True
     """Whether a plan over the memory limit may recompute (each stage the least of its
@@ -253,7 +253,8 @@ def prepare(
     edges = [0, *split.boundaries, costs.blocks]
     ranges = [range(edges[s], edges[s + 1]) for s in range(count)]
     ratios = None
-    # (interleaved plans are not offered recomputation: its runtime checkpoints per rank)
+    # (not for interleaved plans: a rank's two stages share its memory, which the choice
+    # of each stage's ratio alone does not see)
     if recompute and not fits and memory_limit is not None and shape.schedule != INTERLEAVED:
         ratios = _least_ratios(costs, shape, ranges, memory_limit)
     if shape.schedule == "shifted-1f1b" and ratios is None:

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thinwire.parallel.interleaved_program import compute_order
+from thinwire.parallel.interleaved_program import INTERLEAVED, held_in_turn
 
 
 @dataclass(frozen=True)
@@ -46,20 +46,18 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
     backward in its rank's compute order."""
     if schedule == "gpipe":
         return microbatches
-    if schedule == "interleaved-1f1b":
+    if schedule == INTERLEAVED:
         return _interleaved_peaks(stages // 2, microbatches)[stage]
     return min(microbatches, stages - stage)
 
 
 @functools.lru_cache(maxsize=256)
 def _interleaved_peaks(ranks: int, microbatches: int) -> tuple[int, ...]:
-    held, peak = [0] * (2 * ranks), [0] * (2 * ranks)
+    peak = [0] * (2 * ranks)
     for rank in range(ranks):
-        for slot in compute_order(rank, ranks, microbatches):
-            if slot is not None:
-                kind, stage, _ = slot
-                held[stage] += 1 if kind == "F" else -1
-                peak[stage] = max(peak[stage], held[stage])
+        for held in held_in_turn(rank, ranks, microbatches):
+            for stage, count in held.items():
+                peak[stage] = max(peak[stage], count)
     return tuple(peak)
 
 
