@@ -6,23 +6,28 @@ the tensor's flat index space instead (a partition), and a step takes three stag
 
 1. **to the owners**: each rank sends every one of its k entries to the rank that owns
    its index (an uneven all-to-all, ``Request.scatter``); each owner sums what arrived;
-2. **prune in the middle**: the global k-th largest magnitude of those sums is found
-   exactly on their float32 bit patterns (:mod:`thinwire.compress.selection`): on a
-   tensor's first step by radix selection, six rounds each summing a 64-bin histogram
-   over every rank; after that in two, a 66-bin histogram of a window around last step's
-   threshold and the boundary bin's few values gathered (radix selection again where
-   the k-th has left the window); each owner keeps its sums at or above it;
-3. **back to every rank**: each owner sends what it kept to every rank.
+2. **prune in the middle**: where the global k-th largest magnitude of those sums lies
+   is found on their float32 bit patterns (:mod:`thinwire.compress.selection`): on a
+   tensor's first step by radix selection, 64-bin histograms summed over every rank
+   (usually two or three rounds), after that in one round, a 66-bin histogram of a
+   window around last step's threshold; either stops at a bin (the boundary bin) that
+   holds few candidates beyond those it keeps. Each owner keeps its sums above that bin
+   and in it;
+3. **back to every rank**: each owner sends what it kept to every rank, and every rank,
+   holding all the candidates, resolves the boundary bin exactly (the same on every
+   rank) and drops the candidates that did not make it.
 
 What every rank then holds is the global top-k of the summed sparse gradients (ties at
 the threshold all kept), divided by N, bit for bit what gathering would give at those
 places. An entry a rank sent that was pruned was not applied: it stays in the rank's
 error-feedback memory (only the surviving indices are reported as sent), so nothing is
 lost. Each rank sends about 2k entries and receives about 2k (if the partitions are
-balanced), plus the histograms (1.3 KB by radix selection, 264 bytes through the window,
-twice that on the ring) and the boundary bin's values, whatever N. The small rounds are
-the price: on a ring all-reduce each waits ``2 (N - 1)`` network delays, on the
-``direct`` communicator one (for ``N - 1`` copies of the histogram's bytes).
+balanced), plus the histograms (264 bytes through the window, twice that on the ring)
+and at most :data:`~thinwire.compress.selection.SPARE_CANDIDATES` spare candidates in
+all, whatever N. The small rounds are the price: three after a tensor's first step (the
+all-to-alls and the histogram); on a ring all-reduce the histogram waits
+``2 (N - 1)`` network delays, on the ``direct`` communicator one (for ``N - 1`` copies
+of its bytes).
 
 The partitions start as equal ranges and are re-balanced every ``rebalance_every`` steps
 so that each holds as many of the last selection's entries (which every rank received
@@ -40,10 +45,11 @@ import torch
 from torch import Tensor
 
 from thinwire.compress.base import Request, Slot
-from thinwire.compress.selection import RADIX_ROUNDS, select_threshold
+from thinwire.compress.selection import WINDOW_BINS, select_cut
 
-#: the bytes of one rank's histograms per tensor per step (int32 bins) by radix selection
-HISTOGRAM_BYTES = sum(4 << width for _, width in RADIX_ROUNDS)
+#: the bytes of one rank's histogram per tensor in a step after its first (the window's
+#: int32 bins; a first step takes two or three radix rounds of 256 bytes)
+HISTOGRAM_BYTES = 4 * (WINDOW_BINS + 2)
 #: bytes of one sparse entry on the wire: an fp32 value and an int32 index
 ENTRY_BYTES = 8
 
@@ -51,7 +57,8 @@ ENTRY_BYTES = 8
 def partition_pays(k: int, world: int) -> bool:
     """Whether the partitioned exchange sends fewer bytes than gathering for ``k`` entries
     on ``world`` ranks, by estimate: gathering sends ``(N - 1) k`` entries; the
-    partitioned exchange about ``2k`` plus the histograms, ring all-reduced."""
+    partitioned exchange about ``2k`` plus a histogram, ring all-reduced (its steady
+    state: the window)."""
     gathered = ENTRY_BYTES * k * (world - 1)
     partitioned = 2 * ENTRY_BYTES * k + 2 * HISTOGRAM_BYTES
     return world > 1 and gathered > partitioned
@@ -116,16 +123,19 @@ def partitioned_exchange(
     arrived = yield Request.scatter(counts, values, indices.to(torch.int32))
     sums_at, sums = _sum_arrivals(arrived, flat)
     bits = sums.abs().view(torch.int32)
-    hint = partitions.threshold_hint(slot.key)
-    threshold = yield from select_threshold(bits, k, world, hint)
-    partitions.remember_threshold(slot.key, threshold)
-    keep = bits >= threshold
+    cut = yield from select_cut(bits, k, partitions.threshold_hint(slot.key))
+    keep = cut.candidates_or_above(bits)
     kept_at, kept = sums_at[keep], sums[keep]
     echoed = yield Request.scatter(
         [kept.numel()] * world, kept.repeat(world), kept_at.to(torch.int32).repeat(world)
     )
     selected_at = torch.cat([at for _, at in echoed]).long()
     selected = torch.cat([value for value, _ in echoed])
+    echoed_bits = selected.abs().view(torch.int32)
+    threshold = cut.threshold(echoed_bits)
+    partitions.remember_threshold(slot.key, threshold)
+    final = echoed_bits >= threshold  # less the candidates that did not make it
+    selected_at, selected = selected_at[final], selected[final]
     mean = torch.zeros_like(flat).index_copy_(0, selected_at, selected).div_(world)
     applied = indices[torch.isin(indices, selected_at)]
     partitions.rebalance(slot.key, numel, world, selected_at, slot.step)
