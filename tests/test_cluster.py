@@ -3,6 +3,7 @@ no namespace behind, also when its owner or its forwarder is killed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -24,6 +25,7 @@ from thinwire.cluster import (
     parse_rate,
     remove_leftovers,
 )
+from thinwire.cluster.emulated import UPLINK_QUEUE_PACKETS
 from thinwire.cluster.forwarder import Downlink, Switch
 from thinwire.launch import LocalPool, Placement
 
@@ -82,6 +84,7 @@ def test_up_creates_hosts_and_down_removes_every_namespace() -> None:
                 "exec",
                 cluster.hosts[1].namespace,
                 "tc",
+                "-j",
                 "qdisc",
                 "show",
                 "dev",
@@ -91,7 +94,11 @@ def test_up_creates_hosts_and_down_removes_every_namespace() -> None:
             text=True,
             check=True,
         ).stdout
-        assert "tbf" in qdisc and "100Mbit" in qdisc
+        (tbf,) = json.loads(qdisc)
+        assert tbf["kind"] == "tbf" and tbf["options"]["rate"] == 100e6 / 8
+        # room for a burst from each connection of an all-to-all (UPLINK_QUEUE_PACKETS)
+        queued_s = tbf["options"]["lat"] / 1e6 + tbf["options"]["burst"] / (100e6 / 8)
+        assert queued_s >= 0.99 * UPLINK_QUEUE_PACKETS * cluster.mtu * 8 / 100e6
     assert not any(h.namespace in list_namespaces() for h in cluster.hosts)
 
 

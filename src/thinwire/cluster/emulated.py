@@ -55,6 +55,13 @@ TCP_TUNING = (
     ("net.ipv4.tcp_wmem", "4096 1048576 33554432"),
     ("net.ipv6.conf.all.disable_ipv6", "1"),
 )
+#: packets a host's uplink queue (its ``tbf``) holds. A NIC's queue holds a thousand and TCP
+#: keeps a bulk flow's share of it small, so a ring's data does not delay other packets
+#: long; but when a host sends to every other at once (an all-to-all) each connection
+#: puts a burst in it: with room for 6 packets (10 ms at 10 Mbit/s, the first version),
+#: 16 hosts' all-to-alls lost a tenth of their packets there, and each TCP retransmission
+#: timeout stalled the step 200 ms (docs/sparse.md, "The bed's uplink queue")
+UPLINK_QUEUE_PACKETS = 256
 
 
 class ClusterError(RuntimeError):
@@ -242,10 +249,9 @@ class EmulatedCluster:
         _ip("-n", ns, "link", "set", host.interface, "mtu", str(self.mtu), "up")
         _run(["ip", "netns", "exec", ns, "sysctl", "-q", *(f"{k}={v}" for k, v in TCP_TUNING)])
         if self.rate_bps is not None:
-            # a short queue: bulk data must not delay a host's other packets for long
             bytes_per_ms = self.rate_bps / 8e3
             burst = int(max(2 * self.mtu, 2 * bytes_per_ms))
-            limit = int(max(4 * self.mtu, 10 * bytes_per_ms))
+            limit = int(max(UPLINK_QUEUE_PACKETS * self.mtu, 10 * bytes_per_ms))
             tbf = [
                 "tbf",
                 "rate",
