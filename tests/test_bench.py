@@ -145,6 +145,13 @@ def test_the_cosine_schedule_runs_from_lr_down_to_zero_and_names_are_checked() -
         BenchConfig(task="digits", methods=parse_methods("dense"), lr_schedule="step")
 
 
+def test_the_uplink_queue_is_checked_before_any_process_starts() -> None:
+    config = BenchConfig(task="digits", methods=parse_methods("dense"), uplink_queue=256)
+    assert config.uplink_queue == 256
+    with pytest.raises(ValueError, match="uplink queue is a number of packets from 2"):
+        BenchConfig(task="digits", methods=parse_methods("dense"), uplink_queue=1)
+
+
 def test_delayed_averaging_and_parameter_servers_run_in_the_bench(tmp_path: Path) -> None:
     config = BenchConfig(
         task="digits",

@@ -25,7 +25,6 @@ from thinwire.cluster import (
     parse_rate,
     remove_leftovers,
 )
-from thinwire.cluster.emulated import UPLINK_QUEUE_PACKETS
 from thinwire.cluster.forwarder import Downlink, Switch
 from thinwire.launch import LocalPool, Placement
 
@@ -77,29 +76,32 @@ def test_up_creates_hosts_and_down_removes_every_namespace() -> None:
             check=True,
         ).stdout
         assert "198.18.0.2/24" in shown
-        qdisc = subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                cluster.hosts[1].namespace,
-                "tc",
-                "-j",
-                "qdisc",
-                "show",
-                "dev",
-                "tw0",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        (tbf,) = json.loads(qdisc)
-        assert tbf["kind"] == "tbf" and tbf["options"]["rate"] == 100e6 / 8
-        # room for a burst from each connection of an all-to-all (UPLINK_QUEUE_PACKETS)
-        queued_s = tbf["options"]["lat"] / 1e6 + tbf["options"]["burst"] / (100e6 / 8)
-        assert queued_s >= 0.99 * UPLINK_QUEUE_PACKETS * cluster.mtu * 8 / 100e6
+        assert _uplink_queue_s(cluster) == pytest.approx(0.010, rel=0.01)  # 10 ms by default
     assert not any(h.namespace in list_namespaces() for h in cluster.hosts)
+
+
+def _uplink_queue_s(cluster: EmulatedCluster) -> float:
+    """Seconds of the link a host's uplink queue (its ``tbf``) holds, as ``tc`` shows it."""
+    shown = subprocess.run(
+        ["ip", "netns", "exec", cluster.hosts[1].namespace, "tc", "-j", "qdisc", "show", "dev",
+         "tw0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    (tbf,) = json.loads(shown)
+    assert tbf["kind"] == "tbf" and tbf["options"]["rate"] == cluster.rate_bps / 8
+    return tbf["options"]["lat"] / 1e6 + tbf["options"]["burst"] / tbf["options"]["rate"]
+
+
+@needs_root
+def test_the_uplink_queue_holds_the_packets_asked_for() -> None:
+    with EmulatedCluster(2, "100mbit", "1ms", uplink_queue=256) as cluster:
+        packets = _uplink_queue_s(cluster) * cluster.rate_bps / 8 / cluster.mtu
+        assert packets == pytest.approx(256, rel=0.01)
+    for bad in (0, 1, 10_001, 2.5, True):
+        with pytest.raises(ValueError, match="uplink queue is a number of packets"):
+            EmulatedCluster(2, "100mbit", "1ms", uplink_queue=bad)  # type: ignore[arg-type]
 
 
 @needs_root

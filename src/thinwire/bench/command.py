@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth", default="100mbit", help="per link, e.g. 10mbit, 1gbit")
     parser.add_argument("--latency", default="1ms", help="one-way delay between two hosts")
     parser.add_argument(
+        "--uplink-queue",
+        type=int,
+        default=None,
+        help="packets each emulated host's uplink queue holds (default: 10 ms of the link); "
+        "256 keeps the bursts of an all-to-all among many hosts (docs/sparse.md)",
+    )
+    parser.add_argument(
         "--methods",
         default="local,dense,ddp-fp16,ddp-powersgd,fp16,dgc,powersgd,onebit,terngrad",
         help=(
@@ -207,6 +214,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             workers=args.workers,
             bandwidth=args.bandwidth,
             latency=args.latency,
+            uplink_queue=args.uplink_queue,
             steps=args.steps,
             lr=args.lr if args.lr is not None else DEFAULT_LR.get(args.task, 0.05),
             momentum=args.momentum,
@@ -281,6 +289,7 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
             bandwidth=args.bandwidth,
             latency=args.latency,
             compute=args.compute,
+            uplink_queue=args.uplink_queue,
         )
     except (ValueError, TypeError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")

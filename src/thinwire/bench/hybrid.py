@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from thinwire.cluster import EmulatedCluster
+from thinwire.cluster.emulated import check_uplink_queue
 from thinwire.compress import compressor
 from thinwire.launch import LocalPool, Placement
 from thinwire.parallel import ParallelPlan, ParallelTrainer, parallelize
@@ -56,6 +57,8 @@ class HybridConfig:
     compute: str = "real"
     """``"real"``: train and evaluate; ``"sleep"``: time ``steps`` steps on virtual
     accelerators (:mod:`thinwire.bench.hybrid_sleep`), no losses or perplexity."""
+    uplink_queue: int | None = None
+    """Packets in each emulated host's uplink queue (None: 10 ms of the link)."""
 
     def __post_init__(self) -> None:
         sizes = {plan.world_size for plan in self.plans}
@@ -72,6 +75,7 @@ class HybridConfig:
             )
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        check_uplink_queue(self.uplink_queue)
         if self.compute not in ("real", "sleep"):
             raise ValueError(f"--compute must be real or sleep, got {self.compute!r}")
         if self.optimizer not in ("adamw", "sgd"):
@@ -173,7 +177,7 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
         if config.network == "emulated":
             cluster = EmulatedCluster(
                 world // config.ranks_per_host, config.bandwidth, config.latency,
-                ranks_per_host=config.ranks_per_host,
+                ranks_per_host=config.ranks_per_host, uplink_queue=config.uplink_queue,
             )  # fmt: skip
             placement = Placement.on(stack.enter_context(cluster))
         pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))

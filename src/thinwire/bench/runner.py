@@ -82,10 +82,13 @@ class BenchConfig:
     repeats: int = 1
     #: link faults ordered in every method's run (:mod:`thinwire.bench.faults`)
     faults: tuple[ScheduledFault, ...] = ()
+    #: packets in each emulated host's uplink queue (None: 10 ms of the link)
+    uplink_queue: int | None = None
 
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
         from thinwire.cluster import parse_duration, parse_rate
+        from thinwire.cluster.emulated import check_uplink_queue
         from thinwire.tasks import task as build_task
 
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
@@ -124,6 +127,7 @@ class BenchConfig:
         )
         parse_rate(self.bandwidth)
         parse_duration(self.latency)
+        check_uplink_queue(self.uplink_queue)
         if self.faults and self.network != "emulated":
             raise ValueError("--fault needs --network emulated (faults break emulated links)")
         if not isinstance(self.task_options, dict):
@@ -305,10 +309,13 @@ def _network(config: BenchConfig, console: Console) -> Iterator[NetworkParts]:
     if reason:
         raise RuntimeError(reason)
 
-    with EmulatedCluster(config.workers, config.bandwidth, config.latency) as cluster:
+    with EmulatedCluster(
+        config.workers, config.bandwidth, config.latency, uplink_queue=config.uplink_queue
+    ) as cluster:
+        queue = f", uplink queue {config.uplink_queue} packets" if config.uplink_queue else ""
         console.print(
             f"emulated cluster: {config.workers} hosts, {config.bandwidth} links, "
-            f"{config.latency} one-way latency (MTU {cluster.mtu})"
+            f"{config.latency} one-way latency (MTU {cluster.mtu}{queue})"
         )
         yield (
             Placement.on(cluster),
@@ -319,6 +326,7 @@ def _network(config: BenchConfig, console: Console) -> Iterator[NetworkParts]:
                 "latency": config.latency,
                 "bandwidth_bps": cluster.rate_bps,
                 "latency_s": cluster.latency_s,
+                "uplink_queue_packets": config.uplink_queue,
             },
             lambda: _check_switch(cluster),
             cluster.fault,

@@ -55,13 +55,29 @@ TCP_TUNING = (
     ("net.ipv4.tcp_wmem", "4096 1048576 33554432"),
     ("net.ipv6.conf.all.disable_ipv6", "1"),
 )
-#: packets a host's uplink queue (its ``tbf``) holds. A NIC's queue holds a thousand and TCP
-#: keeps a bulk flow's share of it small, so a ring's data does not delay other packets
-#: long; but when a host sends to every other at once (an all-to-all) each connection
-#: puts a burst in it: with room for 6 packets (10 ms at 10 Mbit/s, the first version),
-#: 16 hosts' all-to-alls lost a tenth of their packets there, and each TCP retransmission
-#: timeout stalled the step 200 ms (docs/sparse.md, "The bed's uplink queue")
-UPLINK_QUEUE_PACKETS = 256
+#: a host's uplink queue (its ``tbf``), by default: 10 ms of bytes at the link rate, at
+#: least this many packets. Short, so that a ring's bulk data does not delay a host's other
+#: packets (a pipeline's activations) for long: with 256 packets the 1F1B pipelines of a
+#: 27 M GPT on 2 x 4 hosts at 100 Mbit/s stepped 1 s slower (4.07 and 4.18 s against 3.19
+#: and 3.27). But an all-to-all of many hosts puts a burst from every connection in it at
+#: once, and there the short queue drops packets: 16 hosts' all-to-alls at 10 Mbit/s lost
+#: a tenth of theirs and stalled on TCP timeouts; 256 packets lost none (docs/sparse.md,
+#: "With the cut, and the bed's uplink queue"). A Linux host's fq_codel does neither, and
+#: this kernel has no fair-queueing qdisc, so the queue is a choice (``uplink_queue``)
+MIN_UPLINK_QUEUE_PACKETS = 4
+
+
+def check_uplink_queue(packets: int | None) -> int | None:
+    """``packets`` if it is a valid uplink queue (None: the default, 10 ms of bytes),
+    else a ``ValueError`` saying what to pass."""
+    if packets is None:
+        return None
+    if isinstance(packets, bool) or not isinstance(packets, int) or not 2 <= packets <= 10_000:
+        raise ValueError(
+            f"the uplink queue is a number of packets from 2 to 10000 (leave it out for 10 "
+            f"ms of the link), got {packets!r}"
+        )
+    return packets
 
 
 class ClusterError(RuntimeError):
@@ -106,6 +122,8 @@ class EmulatedCluster:
         tag: a short name for this cluster (default: random); namespaces are
             ``thinwire-<tag>-h<i>``.
         ranks_per_host: processes each host runs (:mod:`thinwire.cluster.ranks`).
+        uplink_queue: packets each host's uplink queue holds (default: 10 ms of the
+            link; see :data:`MIN_UPLINK_QUEUE_PACKETS` for when to raise it).
     """
 
     def __init__(
@@ -115,8 +133,10 @@ class EmulatedCluster:
         latency: str | float = "0ms",
         tag: str | None = None,
         ranks_per_host: int = 1,
+        uplink_queue: int | None = None,
     ) -> None:
         self.ranks_per_host = check_ranks_per_host(ranks_per_host)
+        self.uplink_queue = check_uplink_queue(uplink_queue)
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be an integer from 1 to {MAX_HOSTS}, got {hosts!r}")
         self.rate_bps = parse_rate(bandwidth)
@@ -251,7 +271,9 @@ class EmulatedCluster:
         if self.rate_bps is not None:
             bytes_per_ms = self.rate_bps / 8e3
             burst = int(max(2 * self.mtu, 2 * bytes_per_ms))
-            limit = int(max(UPLINK_QUEUE_PACKETS * self.mtu, 10 * bytes_per_ms))
+            limit = int(max(MIN_UPLINK_QUEUE_PACKETS * self.mtu, 10 * bytes_per_ms))
+            if self.uplink_queue is not None:
+                limit = self.uplink_queue * self.mtu
             tbf = [
                 "tbf",
                 "rate",
