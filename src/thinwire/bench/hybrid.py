@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from thinwire.cluster import EmulatedCluster
-from thinwire.cluster.emulated import check_uplink_queue
+from thinwire.cluster.uplink import check_uplink_queue
 from thinwire.compress import compressor
 from thinwire.launch import LocalPool, Placement
 from thinwire.parallel import ParallelPlan, ParallelTrainer, parallelize

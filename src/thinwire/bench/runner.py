@@ -88,7 +88,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         """Check everything that can be checked before any process starts."""
         from thinwire.cluster import parse_duration, parse_rate
-        from thinwire.cluster.emulated import check_uplink_queue
+        from thinwire.cluster.uplink import check_uplink_queue
         from thinwire.tasks import task as build_task
 
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:

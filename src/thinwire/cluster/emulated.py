@@ -41,6 +41,7 @@ from thinwire.cluster.forwarder import ForwarderConfig
 from thinwire.cluster.ranks import check_ranks_per_host, rank_env, run_ranks
 from thinwire.cluster.tun import NETNS_DIR
 from thinwire.cluster.units import parse_duration, parse_rate
+from thinwire.cluster.uplink import check_uplink_queue, tbf_arguments
 
 PREFIX = "thinwire-"
 SUBNET = "198.18.0"
@@ -55,29 +56,6 @@ TCP_TUNING = (
     ("net.ipv4.tcp_wmem", "4096 1048576 33554432"),
     ("net.ipv6.conf.all.disable_ipv6", "1"),
 )
-#: a host's uplink queue (its ``tbf``), by default: 10 ms of bytes at the link rate, at
-#: least this many packets. Short, so that a ring's bulk data does not delay a host's other
-#: packets (a pipeline's activations) for long: with 256 packets the 1F1B pipelines of a
-#: 27 M GPT on 2 x 4 hosts at 100 Mbit/s stepped 1 s slower (4.07 and 4.18 s against 3.19
-#: and 3.27). But an all-to-all of many hosts puts a burst from every connection in it at
-#: once, and there the short queue drops packets: 16 hosts' all-to-alls at 10 Mbit/s lost
-#: a tenth of theirs and stalled on TCP timeouts; 256 packets lost none (docs/sparse.md,
-#: "With the cut, and the bed's uplink queue"). A Linux host's fq_codel does neither, and
-#: this kernel has no fair-queueing qdisc, so the queue is a choice (``uplink_queue``)
-MIN_UPLINK_QUEUE_PACKETS = 4
-
-
-def check_uplink_queue(packets: int | None) -> int | None:
-    """``packets`` if it is a valid uplink queue (None: the default, 10 ms of bytes),
-    else a ``ValueError`` saying what to pass."""
-    if packets is None:
-        return None
-    if isinstance(packets, bool) or not isinstance(packets, int) or not 2 <= packets <= 10_000:
-        raise ValueError(
-            f"the uplink queue is a number of packets from 2 to 10000 (leave it out for 10 "
-            f"ms of the link), got {packets!r}"
-        )
-    return packets
 
 
 class ClusterError(RuntimeError):
@@ -123,7 +101,7 @@ class EmulatedCluster:
             ``thinwire-<tag>-h<i>``.
         ranks_per_host: processes each host runs (:mod:`thinwire.cluster.ranks`).
         uplink_queue: packets each host's uplink queue holds (default: 10 ms of the
-            link; see :data:`MIN_UPLINK_QUEUE_PACKETS` for when to raise it).
+            link; :mod:`thinwire.cluster.uplink` says when to raise it).
     """
 
     def __init__(
@@ -269,35 +247,9 @@ class EmulatedCluster:
         _ip("-n", ns, "link", "set", host.interface, "mtu", str(self.mtu), "up")
         _run(["ip", "netns", "exec", ns, "sysctl", "-q", *(f"{k}={v}" for k, v in TCP_TUNING)])
         if self.rate_bps is not None:
-            bytes_per_ms = self.rate_bps / 8e3
-            burst = int(max(2 * self.mtu, 2 * bytes_per_ms))
-            limit = int(max(MIN_UPLINK_QUEUE_PACKETS * self.mtu, 10 * bytes_per_ms))
-            if self.uplink_queue is not None:
-                limit = self.uplink_queue * self.mtu
-            tbf = [
-                "tbf",
-                "rate",
-                f"{int(self.rate_bps)}bit",
-                "burst",
-                str(burst),
-                "limit",
-                str(limit),
-            ]
-            _run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    host.interface,
-                    "root",
-                    *tbf,
-                ]
-            )
+            tbf = tbf_arguments(self.rate_bps, self.mtu, self.uplink_queue)
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", host.interface,
+                  "root", *tbf])  # fmt: skip
 
     def down(self) -> None:
         """Stop the forwarder (it deletes the namespaces) and make sure they are gone."""

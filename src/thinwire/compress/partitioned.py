@@ -24,10 +24,10 @@ error-feedback memory (only the surviving indices are reported as sent), so noth
 lost. Each rank sends about 2k entries and receives about 2k (if the partitions are
 balanced), plus the histograms (264 bytes through the window, twice that on the ring)
 and at most :data:`~thinwire.compress.selection.SPARE_CANDIDATES` spare candidates in
-all, whatever N. The small rounds are the price: three after a tensor's first step (the
-all-to-alls and the histogram); on a ring all-reduce the histogram waits
-``2 (N - 1)`` network delays, on the ``direct`` communicator one (for ``N - 1`` copies
-of its bytes).
+all (more only where values tie), whatever N. The small rounds are the price: three
+after a tensor's first step (the all-to-alls and the histogram); on a ring all-reduce
+the histogram waits ``2 (N - 1)`` network delays, on the ``direct`` communicator one
+(for ``N - 1`` copies of its bytes).
 
 The partitions start as equal ranges and are re-balanced every ``rebalance_every`` steps
 so that each holds as many of the last selection's entries (which every rank received
