@@ -108,9 +108,7 @@ def radix_cut(
         from_top = histogram.flip(0).long().cumsum(0).tolist()
         if round_index == 0 and among_all and from_top[-1] <= need:
             return Cut(0, 0)
-        position = _bin_of_kth(from_top, need)
-        above = from_top[position - 1] if position else 0
-        need, in_bin = need - above, from_top[position] - above
+        position, need, in_bin = _bin_of_kth(from_top, need)
         prefix = (prefix << width) | ((1 << width) - 1 - position)
         if in_bin - need <= SPARE_CANDIDATES:
             return Cut(prefix, shift, need)
@@ -131,20 +129,19 @@ def windowed_cut(bits: Tensor, k: int, hint: int) -> Generator[Request, Any, Cut
     from_top = histogram.flip(0).long().cumsum(0).tolist()  # above, highest bin, ..., below
     if from_top[-1] <= k:
         return Cut(0, 0)
-    position = _bin_of_kth(from_top, k)
+    position, need, in_bin = _bin_of_kth(from_top, k)
     if position == 0 or position == WINDOW_BINS + 1:
         return None  # the k-th is above or below the window
-    need = k - from_top[position - 1]
-    in_bin = from_top[position] - from_top[position - 1]
     prefix = low + WINDOW_BINS - position
     if in_bin - need <= SPARE_CANDIDATES:
         return Cut(prefix, WINDOW_SHIFT, need)
     return (yield from radix_cut(bits, need, LOW_ROUNDS, bins == prefix, prefix))
 
 
-def _bin_of_kth(from_top: list[int], k: int) -> int:
-    """The first place where the running count from the top reaches ``k``."""
-    for position, count in enumerate(from_top):
-        if count >= k:
-            return position
-    return len(from_top) - 1
+def _bin_of_kth(from_top: list[int], k: int) -> tuple[int, int, int]:
+    """Where the k-th largest falls, given the histogram's running counts from its top
+    bin: that bin's place, how many of the bin's values are among the k, and how many
+    values the bin holds."""
+    position = next((p for p, count in enumerate(from_top) if count >= k), len(from_top) - 1)
+    above = from_top[position - 1] if position else 0
+    return position, k - above, from_top[position] - above
