@@ -80,8 +80,9 @@ class Request:
     @staticmethod
     def scatter(counts: Sequence[int], *tensors: Tensor) -> Request:
         """Send rank j the next ``counts[j]`` rows of every one of ``tensors`` (rows in
-        rank order; any number per rank); the answer holds the rows each rank sent this
-        one. Shapes past the first dimension and dtypes match on every rank."""
+        rank order; any number per rank); the answer holds, for each of ``tensors``, the
+        rows every rank sent this one, one after another in source rank order. Shapes
+        past the first dimension and dtypes match on every rank."""
         rows = {t.shape[0] for t in tensors}
         if len(rows) != 1 or sum(counts) != rows.pop():
             raise ValueError(
@@ -396,7 +397,7 @@ def run_locally(exchange: Exchange, wire_bytes: list[int] | None = None) -> Exch
             request = exchange.send(answer)
             if wire_bytes is not None:
                 wire_bytes.append(sum(t.numel() * t.element_size() for t in request.tensors))
-            whole = request.op in (Op.GATHER, Op.SCATTER)  # one rank: its own rows
+            whole = request.op is Op.GATHER  # one rank: its own tensors (a scatter: its rows)
             answer = [list(request.tensors)] if whole else list(request.tensors)
     except StopIteration as stop:
         return stop.value

@@ -129,8 +129,7 @@ def partitioned_exchange(
     echoed = yield Request.scatter(
         [kept.numel()] * world, kept.repeat(world), kept_at.to(torch.int32).repeat(world)
     )
-    selected_at = torch.cat([at for _, at in echoed]).long()
-    selected = torch.cat([value for value, _ in echoed])
+    selected, selected_at = echoed[0], echoed[1].long()
     echoed_bits = selected.abs().view(torch.int32)
     threshold = cut.threshold(echoed_bits)
     partitions.remember_threshold(slot.key, threshold)
@@ -142,11 +141,10 @@ def partitioned_exchange(
     return mean, applied
 
 
-def _sum_arrivals(arrived: list[list[Tensor]], flat: Tensor) -> tuple[Tensor, Tensor]:
+def _sum_arrivals(arrived: list[Tensor], flat: Tensor) -> tuple[Tensor, Tensor]:
     """The distinct indices that arrived (sorted) and their sums, added in source rank
     order (the order gathering adds them in, so the bits match)."""
-    at = torch.cat([indices for _, indices in arrived]).long()
-    values = torch.cat([values for values, _ in arrived])
+    values, at = arrived[0], arrived[1].long()
     distinct, where = torch.unique(at, return_inverse=True)
     sums = torch.zeros(distinct.numel(), dtype=flat.dtype, device=flat.device)
     return distinct, sums.index_add_(0, where, values)

@@ -60,7 +60,11 @@ def _answer(requests: Sequence[Request], sent: list[int]) -> list[Any]:
     rows = [_rows_by_destination(r) for r in requests]
     for rank in range(world):
         sent[rank] += sum(_nbytes(rows[rank][dest]) for dest in range(world) if dest != rank)
-    return [[rows[source][dest] for source in range(world)] for dest in range(world)]
+    columns = range(len(requests[0].tensors))
+    return [
+        [torch.cat([rows[source][dest][c] for source in range(world)]) for c in columns]
+        for dest in range(world)
+    ]
 
 
 def _nbytes(tensors: Sequence[Tensor]) -> int:

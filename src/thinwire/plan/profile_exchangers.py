@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from thinwire.comm.collectives import (
@@ -141,7 +142,7 @@ def _answer(request: Request, world: int) -> Any:
         return [list(request.tensors)] * world
     if request.op is Op.SCATTER:  # from every rank, the rows this one (rank 0) sent itself
         own = request.counts[0] if request.counts else 0
-        return [[t[:own] for t in request.tensors]] * world
+        return [torch.cat([t[:own]] * world) for t in request.tensors]
     if request.op is Op.SUM:
         return [t * world for t in request.tensors]
     return [t.clone() for t in request.tensors]
