@@ -193,8 +193,9 @@ class DGC(TopK):
     ) -> Exchange:
         """Small tensors side by side: each one's exact top-k (as top-k does). Large ones
         side by side (on a device that takes the threshold selection): about k of each
-        above its own sampled threshold, every segment at once (no host wait)."""
-        if all(math.prod(shape) <= SMALL for shape in shapes):
+        above its own sampled threshold, every segment at once (no host wait). With
+        ``partitioned``, top-k's partitioned exchange for all of them at once."""
+        if self.partitioned or all(math.prod(shape) <= SMALL for shape in shapes):
             return (yield from super().exchange_segmented(flat, shapes, slots))
         density = self.density_at(slots[0])
         if len(shapes) == 1:  # a large tensor alone: the same selection without segments

@@ -94,12 +94,16 @@ class Partitions:
             self._bounds[key] = found
         return found
 
+    def due(self, step: int) -> bool:
+        """Whether the partitions are re-balanced after ``step``."""
+        every = self.rebalance_every
+        return bool(every) and (step + 1) % every == 0
+
     def rebalance(self, key: str, numel: int, world: int, selected: Tensor, step: int) -> None:
         """After ``step``, move the boundaries so that each rank owns an equal share of
         ``selected`` (the sorted flat indices every rank received), every
         ``rebalance_every`` steps."""
-        every = self.rebalance_every
-        if not every or (step + 1) % every or selected.numel() < world:
+        if not self.due(step) or selected.numel() < world:
             return
         share = torch.div(torch.arange(1, world) * selected.numel(), world, rounding_mode="floor")
         inner = selected.cpu().index_select(0, share)

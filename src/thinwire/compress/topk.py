@@ -90,6 +90,12 @@ class TopK(Compressor):
         """Tensors of one dimension (biases, norms) go dense."""
         return tensor.dim() > 1
 
+    def bucket_as_segments(self, device: torch.device) -> bool:
+        """With ``partitioned``, a bucket's compressed tensors go as one run
+        (:func:`~thinwire.compress.partitioned_runs.partitioned_run`: each round's work
+        for all of them at once)."""
+        return self.partitioned
+
     def select(self, flat: Tensor, k: int, slot: Slot) -> Tensor:
         """Flat indices of the ``k`` entries of ``flat`` with largest magnitude."""
         return torch.topk(flat.abs(), k, sorted=False).indices
@@ -125,7 +131,11 @@ class TopK(Compressor):
     ) -> Exchange:
         """:meth:`exchange` for small tensors side by side in ``flat``: every tensor's
         exact top-k at once (rows of one padded matrix), gathered together; the same
-        entries as each tensor's own exchange sends (exact top-k, whatever ``select``)."""
+        entries as each tensor's own exchange sends (exact top-k, whatever ``select``).
+        With ``partitioned``, any tensors: each one's own selection, then the partitioned
+        exchange for all of them at once."""
+        if self.partitioned:
+            return (yield from self._exchange_partitioned(flat, shapes, slots))
         density = self.density_at(slots[0])
         key = (tuple(shapes), density)
         layout = self._layouts.get(key)
@@ -135,6 +145,27 @@ class TopK(Compressor):
         values = flat.index_select(0, indices)
         mean = yield from gather_sparse(values, indices, flat, slots[0].world_size)
         return Exchanged(mean=mean, local=None, sent_indices=indices, sent_counts=layout.ks)
+
+    def _exchange_partitioned(
+        self, flat: Tensor, shapes: Sequence[torch.Size], slots: Sequence[Slot]
+    ) -> Exchange:
+        """Tensors side by side, each choosing its entries as its own :meth:`exchange`
+        would; their partitioned exchange (or gathering, where that sends less) as one."""
+        from thinwire.compress.partitioned_runs import partitioned_run  # it needs gather_sparse
+
+        sizes = [math.prod(shape) for shape in shapes]
+        ks = [
+            num_selected(size, self.density_at(slot))
+            for size, slot in zip(sizes, slots, strict=True)
+        ]
+        picks, start = [], 0
+        for size, k, slot in zip(sizes, ks, slots, strict=True):
+            picks.append(self.pick(flat[start : start + size], k, slot))
+            start += size
+        mean, sent, counts = yield from partitioned_run(
+            picks, ks, flat, sizes, slots, self._partitions
+        )
+        return Exchanged(mean=mean, local=None, sent_indices=sent, sent_counts=counts)
 
     def _pick_blocks(self, flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The blocks that carry about ``k`` values of ``flat`` (``block`` > 1)."""
