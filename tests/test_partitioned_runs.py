@@ -89,11 +89,13 @@ def _per_tensor(flat: Tensor, sent: Tensor, counts: Sequence[int]) -> list[tuple
 
 
 @pytest.mark.parametrize("world", [4, 16])
-@pytest.mark.parametrize("kind", ["topk", "dgc"])
+@pytest.mark.parametrize("kind", ["topk", "dgc", "dgc-threshold"])
 def test_a_run_exchanges_what_each_tensor_would_alone_over_steps(world: int, kind: str) -> None:
     def make() -> TopK:
-        if kind == "dgc":
-            return DGC(density=0.02, partitioned=True, warmup_steps=0, rebalance_every=2)
+        if kind.startswith("dgc"):  # the threshold selection (a GPU's) pads with repeats
+            selection = "threshold" if kind == "dgc-threshold" else "exact"
+            return DGC(density=0.02, partitioned=True, warmup_steps=0, rebalance_every=2,
+                       selection=selection)  # fmt: skip
         return TopK(density=0.02, partitioned=True, rebalance_every=2)
 
     alone, together = [make() for _ in range(world)], [make() for _ in range(world)]

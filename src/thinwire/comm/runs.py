@@ -146,13 +146,11 @@ def _index_shifts(sizes: tuple[int, ...], counts: tuple[int, ...], device: torch
     key = (sizes, counts, device)
     shifts = _SHIFTS.get(key)
     if shifts is None:
-        starts, total = [], 0
-        for size, count in zip(sizes, counts, strict=True):
-            starts += [total] * count
-            total += size
-        if len(_SHIFTS) > 256:  # layouts change rarely; bound the cache all the same
+        starts = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
+        shifts = torch.repeat_interleave(starts, torch.tensor(counts, dtype=torch.int64))
+        if len(_SHIFTS) > 256:  # layouts change rarely (counts do, partitioned); bounded
             _SHIFTS.clear()
-        shifts = _SHIFTS[key] = torch.tensor(starts, dtype=torch.int64).to(device)
+        shifts = _SHIFTS[key] = shifts.to(device)
     return shifts
 
 

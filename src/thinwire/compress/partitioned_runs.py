@@ -94,7 +94,7 @@ def partitioned_run(
     final = run.settle(cuts, selected_at, selected.abs().view(torch.int32))
     selected_at, selected = selected_at[final], selected[final]
     mean.index_copy_(0, selected_at, selected.div(world))
-    applied = at[torch.isin(at, selected_at, assume_unique=True)]
+    applied = at[torch.isin(at, selected_at)]  # (a padded pick repeats an index)
     run.rebalance(selected_at)
     return mean, *_grouped(torch.cat([applied, *own_at]), starts, sizes)
 
