@@ -45,7 +45,8 @@ class TopK(Compressor):
             of the summed entries, and its bytes do not grow with the number of ranks;
             off (the default), every rank's k entries are gathered by every rank. A
             tensor whose k entries gather in fewer bytes than the partitioned exchange
-            sends (few ranks, small k) is still gathered.
+            sends (few ranks, small k) is still gathered. A bucket's tensors share one
+            protocol (:mod:`thinwire.compress.partitioned_runs`).
         rebalance_every: with ``partitioned``, steps between re-balancings of the index
             ranges the ranks own (0: equal ranges throughout).
         block: send blocks of this many contiguous values, chosen by their L2 norm, with
@@ -82,7 +83,8 @@ class TopK(Compressor):
                 "block > 1 and partitioned=True do not go together yet: blocks are gathered; "
                 "choose one of them"
             )
-        if self.partitioned or self.block > 1:  # each tensor on its own
+        # blocks: each tensor on its own; partitioned: a bucket as one run of its own kind
+        if self.partitioned or self.block > 1:
             self.segmented = False
         self.scatters = self.partitioned
 
