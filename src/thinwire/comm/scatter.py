@@ -11,8 +11,8 @@ collectives: an all-to-all of the messages' lengths, then one of the messages.
 
 The messages are cut from the requests' tensors, and the answers from what arrived, each
 by one gather over ranges worked out for all ranks and tensors at once, not a slice per
-rank and tensor (at 16 ranks a round of 20 requests would otherwise cut and view some
-1,300 pieces).
+rank and tensor (at 16 ranks a round of 20 requests of two tensors would otherwise cut
+640 pieces and view 640 more).
 
 Each rank sends and receives only what is addressed to it, so its bytes do not grow with
 the number of ranks (the all-gather's do: every rank receives every payload).

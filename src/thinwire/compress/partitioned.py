@@ -29,6 +29,10 @@ after a tensor's first step (the all-to-alls and the histogram); on a ring all-r
 the histogram waits ``2 (N - 1)`` network delays, on the ``direct`` communicator one
 (for ``N - 1`` copies of its bytes).
 
+The protocol is :func:`~thinwire.compress.partitioned_runs.partitioned_run`, for one
+tensor or a bucket's tensors at once; this module holds what it keeps between steps
+(:class:`Partitions`) and when it pays (:func:`partition_pays`).
+
 The partitions start as equal ranges and are re-balanced every ``rebalance_every`` steps
 so that each holds as many of the last selection's entries (which every rank received
 alike, so all compute the same boundaries). Where the large entries fall changes only
@@ -38,14 +42,10 @@ thresholds (they change the rounds, never the result).
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Request, Slot
-from thinwire.compress.selection import WINDOW_BINS, select_cut
+from thinwire.compress.selection import WINDOW_BINS
 
 #: the bytes of one rank's histogram per tensor in a step after its first (the window's
 #: int32 bins; a first step takes two or three radix rounds of 256 bytes)
@@ -110,45 +110,3 @@ class Partitions:
         self._bounds[key] = torch.cat(
             [torch.zeros(1, dtype=torch.int64), inner, torch.tensor([numel])]
         )
-
-
-def partitioned_exchange(
-    values: Tensor, indices: Tensor, flat: Tensor, slot: Slot, k: int, partitions: Partitions
-) -> Generator[Request, Any, tuple[Tensor, Tensor]]:
-    """Exchange this rank's ``k`` (``indices``, ``values``) of ``flat`` as described in
-    the module; return the mean (shaped as ``flat``) and the indices of this rank's
-    entries that were applied (the rest stay in its memory)."""
-    world, numel = slot.world_size, flat.numel()
-    order = torch.argsort(indices)
-    indices, values = indices.index_select(0, order), values.index_select(0, order)
-    bounds = partitions.bounds(slot.key, numel, world).to(indices.device)
-    cuts = torch.searchsorted(indices, bounds)
-    counts = (cuts[1:] - cuts[:-1]).tolist()
-    arrived = yield Request.scatter(counts, values, indices.to(torch.int32))
-    sums_at, sums = _sum_arrivals(arrived, flat)
-    bits = sums.abs().view(torch.int32)
-    cut = yield from select_cut(bits, k, partitions.threshold_hint(slot.key))
-    keep = cut.candidates_or_above(bits)
-    kept_at, kept = sums_at[keep], sums[keep]
-    echoed = yield Request.scatter(
-        [kept.numel()] * world, kept.repeat(world), kept_at.to(torch.int32).repeat(world)
-    )
-    selected, selected_at = echoed[0], echoed[1].long()
-    echoed_bits = selected.abs().view(torch.int32)
-    threshold = cut.threshold(echoed_bits)
-    partitions.remember_threshold(slot.key, threshold)
-    final = echoed_bits >= threshold  # less the candidates that did not make it
-    selected_at, selected = selected_at[final], selected[final]
-    mean = torch.zeros_like(flat).index_copy_(0, selected_at, selected).div_(world)
-    applied = indices[torch.isin(indices, selected_at)]
-    partitions.rebalance(slot.key, numel, world, selected_at, slot.step)
-    return mean, applied
-
-
-def _sum_arrivals(arrived: list[Tensor], flat: Tensor) -> tuple[Tensor, Tensor]:
-    """The distinct indices that arrived (sorted) and their sums, added in source rank
-    order (the order gathering adds them in, so the bits match)."""
-    values, at = arrived[0], arrived[1].long()
-    distinct, where = torch.unique(at, return_inverse=True)
-    sums = torch.zeros(distinct.numel(), dtype=flat.dtype, device=flat.device)
-    return distinct, sums.index_add_(0, where, values)

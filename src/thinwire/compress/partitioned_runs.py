@@ -1,11 +1,11 @@
-"""The partitioned sparse all-reduce for a bucket's tensors at once: one protocol, not one
-per tensor.
+"""The partitioned sparse all-reduce (:mod:`thinwire.compress.partitioned`) of one tensor
+or of a bucket's tensors at once: one protocol, not one per tensor.
 
-:func:`~thinwire.compress.partitioned.partitioned_exchange` runs one protocol per tensor,
-and each of its rounds costs some forty small operations per tensor: at 16 ranks on the
-image model's 20 partitioned tensors that work, between dependent collectives, decided
-the step (docs/sparse.md, "On sixteen cores"). Here a run of tensors side by side takes
-the same rounds with each round's work done for all of them together:
+Run one tensor at a time, each round costs some forty small operations per tensor: at
+16 ranks on the image model's 20 partitioned tensors that work, between dependent
+collectives, decided the step (docs/sparse.md, "On sixteen cores"). Here a run of
+tensors side by side takes the same rounds with each round's work done for all of them
+together:
 
 1. **to the owners**: every entry's owner found by one search over all the tensors'
    partition boundaries laid end to end, one sort by (owner, index), one scatter;
@@ -17,7 +17,7 @@ the same rounds with each round's work done for all of them together:
    for the tensors where partitioning does not pay (``partition_pays``), this rank's own
    entries, which every rank adds source by source, as gathering does.
 
-The result, the applied indices and the rounds are those of the per-tensor protocols
+The result, the applied indices and the rounds are those of each tensor exchanged alone
 (and of :func:`~thinwire.compress.topk.gather_sparse` for the gathered tensors), bit for
 bit on the CPU (tests/test_partitioned_runs.py).
 """
@@ -34,7 +34,6 @@ from torch import Tensor
 from thinwire.compress.base import Op, Request, Slot
 from thinwire.compress.partitioned import Partitions, partition_pays
 from thinwire.compress.selection import Cut, select_cut
-from thinwire.compress.topk import gather_sparse
 
 
 def partitioned_run(
@@ -59,6 +58,8 @@ def partitioned_run(
     own_at = [picks[j][0] + starts[j] for j in gathered]
     own = [picks[j][1] for j in gathered]
     if not paying:
+        from thinwire.compress.topk import gather_sparse  # (topk imports this module)
+
         mean = yield from gather_sparse(torch.cat(own), torch.cat(own_at), flat, world)
         return mean, *_grouped(torch.cat(own_at), starts, sizes)
     run = _Paying(paying, starts, sizes, ks, slots, partitions)
@@ -132,7 +133,6 @@ class _Paying:
         self.ranges = torch.tensor([edge for pair in pairs for edge in pair])
         self.pieces: list[Tensor] = []
         self.span = slice(0, 0)
-        self._spans: list[slice] = []
 
     def owners(self, at: Tensor) -> Tensor:
         """The rank owning each run index ``at`` (all in partitioned tensors)."""
@@ -143,9 +143,9 @@ class _Paying:
         """Each tensor's cut of its owners' sums (``bits``, at the sorted run indices
         ``sums_at``), their histograms summed together, one request a round."""
         places = torch.searchsorted(sums_at, self.edges.to(sums_at.device)).tolist()
-        self._spans = [slice(a, b) for a, b in itertools.pairwise(places)]
+        spans = [slice(a, b) for a, b in itertools.pairwise(places)]
         self.span = slice(places[0], places[-1])
-        self.pieces = [bits[span] for span in self._spans]
+        self.pieces = [bits[span] for span in spans]
         searches = [
             select_cut(piece, k, self.partitions.threshold_hint(slot.key))
             for piece, slot, k in zip(self.pieces, self.slots, self.ks, strict=True)
@@ -219,7 +219,7 @@ class _Paying:
 
 def _sum_arrivals(arrived: list[Tensor], flat: Tensor) -> tuple[Tensor, Tensor]:
     """The distinct run indices that arrived (sorted) and their sums, added in source
-    rank order (as each tensor's own protocol adds them)."""
+    rank order (the order gathering adds them in, so the bits match)."""
     values, at = arrived[0], arrived[1].long()
     distinct, where = torch.unique(at, return_inverse=True)
     sums = torch.zeros(distinct.numel(), dtype=flat.dtype, device=flat.device)

@@ -29,7 +29,8 @@ from thinwire.compress.base import (
     num_selected,
 )
 from thinwire.compress.blocks import blocks_for, element_indices, gather_blocks, pick_blocks
-from thinwire.compress.partitioned import Partitions, partition_pays, partitioned_exchange
+from thinwire.compress.partitioned import Partitions
+from thinwire.compress.partitioned_runs import partitioned_run
 from thinwire.compress.registry import register_compressor
 
 
@@ -120,9 +121,9 @@ class TopK(Compressor):
             sent = element_indices(chosen, self.block, flat.numel())
             return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=sent)
         indices, values = self.pick(flat, k, slot)
-        if self.partitioned and partition_pays(k, slot.world_size):
-            mean, applied = yield from partitioned_exchange(
-                values, indices, flat, slot, k, self._partitions
+        if self.partitioned:  # (gathered inside where partitioning does not pay)
+            mean, applied, _ = yield from partitioned_run(
+                [(indices, values)], [k], flat, [flat.numel()], [slot], self._partitions
             )
             return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=applied)
         mean = yield from gather_sparse(values, indices, flat, slot.world_size)
@@ -153,8 +154,6 @@ class TopK(Compressor):
     ) -> Exchange:
         """Tensors side by side, each choosing its entries as its own :meth:`exchange`
         would; their partitioned exchange (or gathering, where that sends less) as one."""
-        from thinwire.compress.partitioned_runs import partitioned_run  # it needs gather_sparse
-
         sizes = [math.prod(shape) for shape in shapes]
         ks = [
             num_selected(size, self.density_at(slot))
