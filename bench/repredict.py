@@ -42,6 +42,8 @@ def config_of(records: list[dict[str, Any]]) -> BenchConfig:
         fuse_rounds=stored.get("fuse_rounds", True),
         broadcast_buffers=stored.get("broadcast_buffers", True),
         repeats=max(r.get("repeat", 1) for r in records),
+        compute=stored.get("compute", "real"),
+        compute_speedup=stored.get("compute_speedup", 1.0),
     )
 
 

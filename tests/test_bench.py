@@ -744,3 +744,18 @@ def test_unsynchronised_methods_are_timed_by_the_wall_clock() -> None:
     assert throughput_step_s({"method": "ps-sync", **timings}) == 1.0
     assert throughput_step_s({"method": "dga", **timings}) == 0.9
     assert throughput_step_s({"method": "ps-async", **timings}) == 0.9
+
+
+def test_sleeping_ranks_calibrate_compression_by_their_cpu_not_the_sleeps() -> None:
+    from thinwire.plan.cost import ComputeTime
+
+    profiled = ComputeTime(forward_s=0.01, backward_s=0.03, optimizer_s=0.005)
+    record = {"slept_forward_s": 0.002, "slept_backward_s": 0.006}
+    sleeping = BenchConfig(
+        task="digits", methods=parse_methods("dgc"), compute="sleep", compute_speedup=50
+    )
+    # the ranks measured 0.008 x 50 = 0.4 s of forward and backward against 0.04 s here
+    assert runner.sleeping_cpu_scale(sleeping, record, profiled) == pytest.approx(10.0)
+    assert runner.sleeping_cpu_scale(sleeping, {}, profiled) is None
+    real = BenchConfig(task="digits", methods=parse_methods("dgc"))
+    assert runner.sleeping_cpu_scale(real, record, profiled) is None

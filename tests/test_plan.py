@@ -436,6 +436,15 @@ def test_profile_predicts_with_a_measured_compute_time() -> None:
     assert as_total.step_s == pytest.approx(dgc.step_s)
     with pytest.raises(ValueError, match="method 'topk' was not profiled"):
         profile.predict("topk", link)
+    # workers whose compute is not on their CPU (sleeps, an accelerator): the compression
+    # follows the CPU's own factor, not the compute's
+    fast = profile.compute.time.scaled(0.02)
+    virtual = profile.predict("dgc", link, compute=fast, cpu_scale=1.5)
+    assert virtual.compute_s == pytest.approx(fast.total)
+    assert virtual.compress_s == pytest.approx(1.5 * profile.costs["dgc"].compress_s)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="cpu_scale must be a finite factor > 0"):
+            profile.predict("dgc", link, cpu_scale=bad)
 
 
 def test_pytorch_hook_traffic() -> None:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -51,6 +51,9 @@ from thinwire.cluster.private import check_private_loopback, private_loopback
 from thinwire.data_parallel.buckets import BucketSpec, check_bucket_spec
 from thinwire.launch import LocalPool, Placement
 from thinwire.strategies.parameter_server import check_servers
+
+if TYPE_CHECKING:
+    from thinwire.plan.cost import ComputeTime
 
 
 @dataclass(frozen=True)
@@ -398,7 +401,11 @@ def _record(
 
 def add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
     """Put the cost model's prediction beside each measured record (``predicted``), with
-    compute calibrated to the measured ``local`` step (the same processes' compute)."""
+    compute calibrated to the measured ``local`` step (the same processes' compute), and
+    compression to the ranks' CPU: the local step's factor where they compute for real,
+    under ``--compute sleep`` the CPU seconds they measured before sleeping them
+    (:func:`sleeping_cpu_scale`), since a virtual accelerator 50x this CPU does not
+    compress 50x faster."""
     from thinwire.plan import Link, profile_model
     from thinwire.plan.profile import task_lookups
     from thinwire.tasks import task as build_task
@@ -428,6 +435,25 @@ def add_predictions(config: BenchConfig, records: list[dict[str, Any]]) -> None:
     for repeat in by_repeat(records).values():
         local = next((r["step_s_median"] for r in repeat if r["method"] == "local"), None)
         for record in (r for r in repeat if r["method"] in modelled):
-            predicted = profile.predict(record["method"], link, compute=local).as_dict()
+            cpu_scale = sleeping_cpu_scale(config, record, profile.compute.time)
+            predicted = profile.predict(
+                record["method"], link, compute=local, cpu_scale=cpu_scale
+            ).as_dict()
             predicted["error"] = predicted["step_s"] / throughput_step_s(record) - 1
             record["predicted"] = predicted
+
+
+def sleeping_cpu_scale(
+    config: BenchConfig, record: dict[str, Any], profiled: ComputeTime
+) -> float | None:
+    """Under ``--compute sleep``: how much slower the ranks' CPU ran a forward and backward
+    pass (what they measured before sleeping a ``compute_speedup``-th of it) than this
+    process's profile did; ``None`` where the ranks compute for real (the local step then
+    calibrates both) or the record lacks the measurement."""
+    if config.compute != "sleep":
+        return None
+    slept = record.get("slept_forward_s", 0.0) + record.get("slept_backward_s", 0.0)
+    passes = profiled.forward_s + profiled.backward_s
+    if slept <= 0 or passes <= 0:
+        return None
+    return slept * config.compute_speedup / passes

@@ -58,6 +58,7 @@ class Profile:
         *,
         compute: ComputeTime | float | None = None,
         overlap: bool = True,
+        cpu_scale: float | None = None,
     ) -> StepPrediction:
         """Predict ``method``'s step on ``link`` for :attr:`world_size` workers.
 
@@ -66,7 +67,15 @@ class Profile:
         run's median step; the profiled phases are scaled to it). It replaces the profiled
         compute and scales the profiled compression times by the same factor (workers that
         share CPUs are slower at both). Default: this process's profile as it is.
+
+        ``cpu_scale``: scale the compression times by this factor instead, where the
+        workers' compute does not run on the CPU that compresses (an accelerator, or
+        ``thinwire bench --compute sleep``'s virtual one, whose speed says nothing of the
+        CPU's): the workers' CPU seconds of a forward and backward pass over this
+        process's.
         """
+        if cpu_scale is not None and not (cpu_scale > 0 and math.isfinite(cpu_scale)):
+            raise ValueError(f"cpu_scale must be a finite factor > 0, got {cpu_scale!r}")
         if method not in self.costs:
             raise ValueError(f"method {method!r} was not profiled; profiled: {list(self.costs)}")
         cost = self.costs[method]
@@ -76,9 +85,11 @@ class Profile:
                 raise ValueError(f"compute step time must be > 0 s, got {compute!r}")
             compute = profiled.scaled(compute / profiled.total)
         if compute is not None:
-            if profiled.total > 0 and compute.total > 0:
+            if cpu_scale is None and profiled.total > 0 and compute.total > 0:
                 cost = cost.scaled(compute.total / profiled.total)
             profiled = compute
+        if cpu_scale is not None:
+            cost = cost.scaled(cpu_scale)
         return predict_step(profiled, cost, link, self.world_size, overlap=overlap)
 
 
