@@ -95,3 +95,25 @@ def test_pool_start_measures_both_start_methods(tmp_path: Path) -> None:
     assert result["runs"]["spawn"][0]["server_cpu_s"] == 0.0
     assert result["runs"]["forkserver"][0]["server_cpu_s"] > 0.0  # its one import of torch
     assert "less CPU a rank" in run.stdout
+
+
+@pytest.mark.timeout(170)
+def test_partitioned_drift_applies_every_gathered_pick_and_fewer_partitioned(
+    tmp_path: Path,
+) -> None:
+    from thinwire.tasks.fashion import DEFAULT_DIR
+
+    if not Path(DEFAULT_DIR).is_dir():
+        pytest.skip(f"{DEFAULT_DIR} is missing (make setup installs dataset-fashion-mnist)")
+    out = tmp_path / "drift.json"
+    command = [sys.executable, str(BENCH / "partitioned_drift.py"), "--ranks", "4",
+               "--steps", "6", "--warmup", "2", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=160)
+    assert run.returncode == 0, run.stderr
+    gathered, partitioned = json.loads(out.read_text())["runs"]
+    assert gathered["exchange"] == "gathered" and partitioned["exchange"] == "partitioned"
+    # gathering applies every entry each rank picked; the global top-k only k of their sum
+    assert gathered["picked_and_applied"] == 1.0
+    assert 0 < partitioned["picked_and_applied"] < 1.0
+    assert partitioned["applied_per_tensor_step"] < gathered["applied_per_tensor_step"]
+    assert 0.0 < partitioned["accuracy"] <= 1.0 and partitioned["memory_norm"] > 0
