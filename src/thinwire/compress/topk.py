@@ -47,7 +47,10 @@ class TopK(Compressor):
             off (the default), every rank's k entries are gathered by every rank. A
             tensor whose k entries gather in fewer bytes than the partitioned exchange
             sends (few ranks, small k) is still gathered. A bucket's tensors share one
-            protocol (:mod:`thinwire.compress.partitioned_runs`).
+            protocol (:mod:`thinwire.compress.partitioned_runs`). It applies k entries
+            of the sum a step where N ranks gathering apply up to N k, so at many ranks
+            it learns more slowly at the same ``density``: give it a higher one
+            (docs/sparse.md, "Quality").
         rebalance_every: with ``partitioned``, steps between re-balancings of the index
             ranges the ranks own (0: equal ranges throughout).
         block: send blocks of this many contiguous values, chosen by their L2 norm, with
