@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.func import grad, vmap
 
 from thinwire.compress import Slot
+from thinwire.compress.base import num_selected
 from thinwire.compress.dgc import DGC
 from thinwire.compress.simulated import drive_ranks
 from thinwire.tasks.fashion import load_fashion
@@ -95,7 +96,7 @@ def train(args: argparse.Namespace, partitioned: bool) -> dict[str, Any]:
             for memory, v, outcome, slot in zip(memories, corrected, outcomes, slots, strict=True):
                 memory.update(v, outcome, slot, compressed=True)
             if step >= args.warmup:
-                picked = args.ranks * max(1, round(v.numel() * args.density))
+                picked = args.ranks * num_selected(corrected[0].numel(), args.density)
                 sent = sum(o.sent_indices.unique().numel() for o in outcomes)
                 kept_shares.append(sent / picked)
                 applied.append(int((outcomes[0].mean != 0).sum()))
