@@ -29,6 +29,14 @@ after a tensor's first step (the all-to-alls and the histogram); on a ring all-r
 the histogram waits ``2 (N - 1)`` network delays, on the ``direct`` communicator one
 (for ``N - 1`` copies of its bytes).
 
+With ``keep`` > 1 the prune keeps the global top ``keep * k`` of the sum while each
+rank still sends its k: at many ranks the ranks' picks barely overlap, so a global top-k
+applies only a small share of what they picked (8.5 % at 16 ranks in
+``bench/partitioned_drift.py``) and the rest waits in their memories; keeping 4 k of the
+sum applies more of it for ``keep * k`` entries back instead of k (docs/sparse.md,
+"Keeping more of the sum"). Where the ranks' picks cover at most ``keep * k`` places,
+all of them are kept.
+
 The protocol is :func:`~thinwire.compress.partitioned_runs.partitioned_run`, for one
 tensor or a bucket's tensors at once; this module holds what it keeps between steps
 (:class:`Partitions`) and when it pays (:func:`partition_pays`).
@@ -54,13 +62,13 @@ HISTOGRAM_BYTES = 4 * (WINDOW_BINS + 2)
 ENTRY_BYTES = 8
 
 
-def partition_pays(k: int, world: int) -> bool:
+def partition_pays(k: int, world: int, keep: int = 1) -> bool:
     """Whether the partitioned exchange sends fewer bytes than gathering for ``k`` entries
     on ``world`` ranks, by estimate: gathering sends ``(N - 1) k`` entries; the
-    partitioned exchange about ``2k`` plus a histogram, ring all-reduced (its steady
-    state: the window)."""
+    partitioned exchange about ``k`` to the owners and ``keep * k`` back (the global top
+    ``keep * k``), plus a histogram, ring all-reduced (its steady state: the window)."""
     gathered = ENTRY_BYTES * k * (world - 1)
-    partitioned = 2 * ENTRY_BYTES * k + 2 * HISTOGRAM_BYTES
+    partitioned = (1 + keep) * ENTRY_BYTES * k + 2 * HISTOGRAM_BYTES
     return world > 1 and gathered > partitioned
 
 

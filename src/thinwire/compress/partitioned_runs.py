@@ -43,16 +43,19 @@ def partitioned_run(
     sizes: Sequence[int],
     slots: Sequence[Slot],
     partitions: Partitions,
+    keep: int = 1,
 ) -> Generator[Request, Any, tuple[Tensor, Tensor, list[int]]]:
     """Exchange each tensor's ``picks`` (its ``(indices, values)`` of its ``ks`` entries,
-    indices its own) of the tensors of ``sizes`` side by side in ``flat``. Returns the
-    mean (shaped as ``flat``), the indices of ``flat`` at which this rank's entries were
-    applied, grouped by tensor in order, and how many of them each tensor has."""
+    indices its own) of the tensors of ``sizes`` side by side in ``flat``; a partitioned
+    tensor applies the global top ``keep * k`` of the sum (all of it where the ranks'
+    picks cover fewer places). Returns the mean (shaped as ``flat``), the indices of
+    ``flat`` at which this rank's entries were applied, grouped by tensor in order, and
+    how many of them each tensor has."""
     world = slots[0].world_size
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    pays = [partition_pays(k, world) for k in ks]
+    pays = [partition_pays(k, world, keep) for k in ks]
     paying = [j for j, pay in enumerate(pays) if pay]
     gathered = [j for j, pay in enumerate(pays) if not pay]
     own_at = [picks[j][0] + starts[j] for j in gathered]
@@ -62,7 +65,7 @@ def partitioned_run(
 
         mean = yield from gather_sparse(torch.cat(own), torch.cat(own_at), flat, world)
         return mean, *_grouped(torch.cat(own_at), starts, sizes)
-    run = _Paying(paying, starts, sizes, ks, slots, partitions)
+    run = _Paying(paying, starts, sizes, [keep * k for k in ks], slots, partitions)
     at = torch.cat([picks[j][0] + starts[j] for j in paying])
     values = torch.cat([picks[j][1] for j in paying])
     owner = run.owners(at)

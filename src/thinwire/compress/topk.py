@@ -50,7 +50,13 @@ class TopK(Compressor):
             protocol (:mod:`thinwire.compress.partitioned_runs`). It applies k entries
             of the sum a step where N ranks gathering apply up to N k, so at many ranks
             it learns more slowly at the same ``density``: give it a higher one
-            (docs/sparse.md, "Quality").
+            (docs/sparse.md, "Quality"), or keep more of the sum (``keep``).
+        keep: with ``partitioned``, apply the global top ``keep * k`` of the sum while
+            each rank still sends its k (an integer >= 1; 1, the default: the global
+            top-k). At many ranks the ranks' picks barely overlap and a global top-k
+            applies few of them; ``keep`` 4 applies four times as many for ``keep * k``
+            entries back a rank instead of k (docs/sparse.md, "Keeping more of the
+            sum").
         rebalance_every: with ``partitioned``, steps between re-balancings of the index
             ranges the ranks own (0: equal ranges throughout).
         block: send blocks of this many contiguous values, chosen by their L2 norm, with
@@ -62,6 +68,7 @@ class TopK(Compressor):
 
     density: float = 0.01
     partitioned: bool = False
+    keep: int = 1
     rebalance_every: int = 50
     block: int = 1
 
@@ -76,6 +83,13 @@ class TopK(Compressor):
         self._layouts: dict[tuple[tuple[torch.Size, ...], float], SegmentedTopK] = {}
         if not isinstance(self.partitioned, bool):
             raise ValueError(f"partitioned must be true or false, got {self.partitioned!r}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {self.keep!r}")
+        if self.keep > 1 and not self.partitioned:
+            raise ValueError(
+                f"keep={self.keep} only applies with partitioned=True (gathering applies "
+                "every rank's k entries already); set partitioned=True or drop keep"
+            )
         every = self.rebalance_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"rebalance_every must be an integer >= 0, got {every!r}")
@@ -126,7 +140,7 @@ class TopK(Compressor):
         indices, values = self.pick(flat, k, slot)
         if self.partitioned:  # (gathered inside where partitioning does not pay)
             mean, applied, _ = yield from partitioned_run(
-                [(indices, values)], [k], flat, [flat.numel()], [slot], self._partitions
+                [(indices, values)], [k], flat, [flat.numel()], [slot], self._partitions, self.keep
             )
             return Exchanged(mean=mean.view_as(tensor), local=None, sent_indices=applied)
         mean = yield from gather_sparse(values, indices, flat, slot.world_size)
@@ -167,7 +181,7 @@ class TopK(Compressor):
             picks.append(self.pick(flat[start : start + size], k, slot))
             start += size
         mean, sent, counts = yield from partitioned_run(
-            picks, ks, flat, sizes, slots, self._partitions
+            picks, ks, flat, sizes, slots, self._partitions, self.keep
         )
         return Exchanged(mean=mean, local=None, sent_indices=sent, sent_counts=counts)
 
