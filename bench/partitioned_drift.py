@@ -6,7 +6,8 @@
 N ranks simulated in this process, each with thinwire's own DGC compressor and DGC memory
 (momentum correction, warm-up), exchanging through the real protocols
 (:func:`thinwire.compress.simulated.drive_ranks`): gathering every rank's k entries, and
-``partitioned`` (the global top-k of their sum). The model is a small MLP (784-128-10) on
+``partitioned`` (the global top-k of their sum), and with ``--keep K`` the partitioned
+exchange keeping the global top ``K k`` (DGC's ``keep``). The model is a small MLP (784-128-10) on
 Fashion-MNIST, trained with each rank's own batch (per-rank gradients in one pass,
 ``torch.func.vmap``), SGD with cosine decay; its two weight matrices are compressed, its
 biases averaged densely. A diagnostic of the mechanism, not the quality table's model
@@ -64,12 +65,15 @@ def loss(params: dict[str, Tensor], images: Tensor, labels: Tensor) -> Tensor:
     return torch.nn.functional.cross_entropy(logits(params, images), labels)
 
 
-def train(args: argparse.Namespace, partitioned: bool) -> dict[str, Any]:
-    """One run of ``args.steps`` steps; the exchange's statistics and the accuracy."""
+def train(args: argparse.Namespace, partitioned: bool, keep: int = 1) -> dict[str, Any]:
+    """One run of ``args.steps`` steps; the exchange's statistics and the accuracy
+    (``partitioned`` keeps the global top ``keep * k``)."""
     data = load_fashion()
     images, labels = data.normalise(data.train_x).flatten(1), data.train_y
     params = initial_params(args.seed)
     options = {"density": args.density, "warmup_steps": args.warmup, "partitioned": partitioned}
+    if keep > 1:
+        options["keep"] = keep
     compressors = [DGC(**options) for _ in range(args.ranks)]
     memories = [c.make_memory() for c in compressors]
     momentum = {name: torch.zeros_like(p) for name, p in params.items() if name not in COMPRESSED}
@@ -113,6 +117,7 @@ def train(args: argparse.Namespace, partitioned: bool) -> dict[str, Any]:
     accuracy = float((logits(params, test).argmax(1) == data.test_y).float().mean())
     return {
         "exchange": "partitioned" if partitioned else "gathered",
+        "keep": keep,
         "picked_and_applied": statistics.fmean(kept_shares),
         "applied_per_tensor_step": statistics.fmean(applied),
         "memory_norm": statistics.fmean(norms),
@@ -130,23 +135,30 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="examples a rank a step")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--keep", type=int, default=1,
+        help="also run the partitioned exchange keeping the global top keep*k (DGC's keep)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps:
         parser.error(
             f"--warmup must be in 0..steps-1 (the statistics are taken after it), got {args.warmup}"
         )
+    if args.keep < 1:
+        parser.error(f"--keep must be an integer >= 1, got {args.keep}")
     torch.set_num_threads(1)
     rows = []
-    for partitioned in (False, True):
+    runs = [(False, 1), (True, 1)] + ([(True, args.keep)] if args.keep > 1 else [])
+    for partitioned, keep in runs:
         started = time.perf_counter()
-        row = train(args, partitioned)
+        row = train(args, partitioned, keep)
         row["seconds"] = round(time.perf_counter() - started, 1)
         rows.append(row)
         print(
-            f"{row['exchange']:>11}: {row['picked_and_applied']:6.1%} of the picked entries "
-            f"applied, {row['applied_per_tensor_step']:8.0f} applied a tensor a step, "
-            f"memories' norm {row['memory_norm']:8.1f}, accuracy {row['accuracy']:.2%} "
+            f"{row['exchange']:>11} (keep {keep}): {row['picked_and_applied']:6.1%} of the "
+            f"picked entries applied, {row['applied_per_tensor_step']:8.0f} applied a tensor "
+            f"a step, memories' norm {row['memory_norm']:8.1f}, accuracy {row['accuracy']:.2%} "
             f"({row['seconds']} s)",
             flush=True,
         )

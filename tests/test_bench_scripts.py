@@ -106,11 +106,14 @@ def test_partitioned_drift_applies_every_gathered_pick_and_fewer_partitioned(
     if not Path(DEFAULT_DIR).is_dir():
         pytest.skip(f"{DEFAULT_DIR} is missing (make setup installs dataset-fashion-mnist)")
     out = tmp_path / "drift.json"
-    command = [sys.executable, str(BENCH / "partitioned_drift.py"), "--ranks", "4",
-               "--steps", "6", "--warmup", "2", "--out", str(out)]  # fmt: skip
+    command = [sys.executable, str(BENCH / "partitioned_drift.py"), "--ranks", "8",
+               "--steps", "6", "--warmup", "2", "--keep", "4", "--out", str(out)]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=160)
     assert run.returncode == 0, run.stderr
-    gathered, partitioned = json.loads(out.read_text())["runs"]
+    gathered, partitioned, kept = json.loads(out.read_text())["runs"]
+    # keeping the global top 4 k applies more of what the ranks picked than the top k
+    assert (kept["keep"], partitioned["keep"]) == (4, 1)
+    assert partitioned["picked_and_applied"] < kept["picked_and_applied"] < 1.0
     assert gathered["exchange"] == "gathered" and partitioned["exchange"] == "partitioned"
     # gathering applies every entry each rank picked; the global top-k only k of their sum
     assert gathered["picked_and_applied"] == 1.0

@@ -105,8 +105,7 @@ def test_what_each_rank_sent_plus_what_it_kept_is_what_it_meant_to_send_with_kee
     world, steps, density, keep = 16, 5, 0.02, 4
     shape = (32, 256)
     comps = [
-        TopK(density=density, partitioned=True, keep=keep, rebalance_every=2)
-        for _ in range(world)
+        TopK(density=density, partitioned=True, keep=keep, rebalance_every=2) for _ in range(world)
     ]
     memories = [ResidualMemory() for _ in range(world)]
     gen = torch.Generator().manual_seed(5)
