@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.agreement import value_ranges
+from thinwire.comm.saved_options import same_compressor
 from thinwire.comm.transport import gather_bytes
 from thinwire.errors import RankMismatchError
 
@@ -69,10 +70,14 @@ def owner_of(rank: int, world_size: int, compressor: str, memory: str) -> dict[s
     return {"rank": rank, "world_size": world_size, "compressor": compressor, "memory": memory}
 
 
-def check_owner(state: dict[str, Any], mine: dict[str, Any]) -> None:
+def check_owner(
+    state: dict[str, Any], mine: dict[str, Any], defaults: dict[str, str] | None = None
+) -> None:
     """Raise ``ValueError`` saying what to do unless ``state`` was saved by the owner
-    ``mine`` (this rank of a job of this size, with the same compressor and memory).
-    (States saved before thinwire recorded an owner are taken as they are.)"""
+    ``mine`` (this rank of a job of this size, with the same compressor and memory; a
+    compressor saved before an option was added matches where this run leaves it at its
+    default, from ``defaults``: :mod:`thinwire.comm.saved_options`). (States saved
+    before thinwire recorded an owner are taken as they are.)"""
     missing = {"step", "compressor", "memory"} - set(state)
     if missing:
         raise ValueError(f"not a thinwire exchange state: missing {sorted(missing)}")
@@ -80,7 +85,12 @@ def check_owner(state: dict[str, Any], mine: dict[str, Any]) -> None:
     if owner is None:
         return
     for key in ("compressor", "memory"):
-        if owner.get(key) != mine[key]:
+        saved = owner.get(key)
+        if key == "compressor" and isinstance(saved, str):
+            matches = same_compressor(saved, mine[key], defaults or {})
+        else:
+            matches = saved == mine[key]
+        if not matches:
             raise ValueError(
                 f"this thinwire state was saved with {key} {owner.get(key)}, but this "
                 f"exchange uses {mine[key]}: build thinwire with the same compressor "

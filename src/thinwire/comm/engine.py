@@ -48,6 +48,7 @@ from thinwire.comm.runs import (
     sums_show,
     update_memory,
 )
+from thinwire.comm.saved_options import option_defaults
 from thinwire.comm.step_stats import StepStats
 from thinwire.comm.survey import Surveys
 from thinwire.comm.verdicts import non_finite_message
@@ -472,7 +473,7 @@ class GradientExchange:
         (an all-ranks state from :meth:`full_state_dict`: its part for this rank)."""
         if is_all_ranks(state):
             state, _ = own_part(state, self.rank, self.world_size)
-        check_owner(state, self._owner())
+        check_owner(state, self._owner(), option_defaults(self.compressor))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` or :meth:`full_state_dict` returned, after
@@ -482,7 +483,7 @@ class GradientExchange:
         origin = 0
         if is_all_ranks(state):
             state, origin = own_part(state, self.rank, self.world_size)
-        check_owner(state, self._owner())
+        check_owner(state, self._owner(), option_defaults(self.compressor))
         self.step = int(state["step"])
         self._current = StepStats(step=self.step)
         self.compressor.load_state_dict(state["compressor"])
