@@ -21,6 +21,7 @@ from thinwire.compress.feedback import DGCMemory, ResidualMemory
 from thinwire.compress.partitioned import ENTRY_BYTES, partition_pays
 from thinwire.compress.selection import RADIX_ROUNDS
 from thinwire.compress.simulated import drive_ranks
+from thinwire.compress.simulated import exchange_on_ranks as _exchange
 from thinwire.compress.topk import TopK
 
 
@@ -30,15 +31,6 @@ def _gradients(world: int, shape: tuple[int, int], seed: int) -> list[Tensor]:
     gen = torch.Generator().manual_seed(seed)
     common = torch.randn(shape, generator=gen) * (torch.rand(shape, generator=gen) < 0.02)
     return [common * 3 + torch.randn(shape, generator=gen) for _ in range(world)]
-
-
-def _exchange(comps: Sequence[TopK], grads: Sequence[Tensor], step: int = 0):
-    world = len(grads)
-    protocols = [
-        comp.exchange(g, Slot("w", step, world, rank))
-        for rank, (comp, g) in enumerate(zip(comps, grads, strict=True))
-    ]
-    return drive_ranks(protocols)
 
 
 def _reference_mean(grads: Sequence[Tensor], k: int) -> Tensor:

@@ -17,6 +17,7 @@ from thinwire.compress.dgc import DGC
 from thinwire.compress.feedback import ResidualMemory
 from thinwire.compress.partitioned import ENTRY_BYTES, partition_pays
 from thinwire.compress.simulated import drive_ranks
+from thinwire.compress.simulated import exchange_on_ranks as _exchange
 from thinwire.compress.topk import TopK
 
 SHAPE = (128, 512)
@@ -27,15 +28,6 @@ def _gradients(world: int, seed: int, shape: tuple[int, int] = SHAPE) -> list[Te
     gen = torch.Generator().manual_seed(seed)
     common = torch.randn(shape, generator=gen) * (torch.rand(shape, generator=gen) < 0.01)
     return [common * 3 + torch.randn(shape, generator=gen) for _ in range(world)]
-
-
-def _exchange(comps: Sequence[TopK], grads: Sequence[Tensor], step: int = 0):
-    world = len(grads)
-    protocols = [
-        comp.exchange(g, Slot("w", step, world, rank))
-        for rank, (comp, g) in enumerate(zip(comps, grads, strict=True))
-    ]
-    return drive_ranks(protocols)
 
 
 def _sum_of_picks(grads: Sequence[Tensor], k: int) -> Tensor:

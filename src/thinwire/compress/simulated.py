@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from thinwire.compress.base import Exchange, Exchanged, Op, Request
+from thinwire.compress.base import Compressor, Exchange, Exchanged, Op, Request, Slot
 
 
 def drive_ranks(protocols: Sequence[Exchange]) -> tuple[list[Exchanged], list[int]]:
@@ -42,6 +42,20 @@ def drive_ranks(protocols: Sequence[Exchange]) -> tuple[list[Exchanged], list[in
             raise AssertionError("the ranks' protocols asked for different rounds")
         answers = _answer(requests, sent)
     return results, sent  # type: ignore[return-value]
+
+
+def exchange_on_ranks(
+    compressors: Sequence[Compressor], tensors: Sequence[Tensor], key: str = "w", step: int = 0
+) -> tuple[list[Exchanged], list[int]]:
+    """Rank r's ``compressors[r]`` exchanging its ``tensors[r]`` (as tensor ``key`` at
+    ``step``) with the others, through :func:`drive_ranks`: the outcomes and the bytes each
+    rank sent."""
+    world = len(tensors)
+    protocols = [
+        compressor.exchange(tensor, Slot(key, step, world, rank))
+        for rank, (compressor, tensor) in enumerate(zip(compressors, tensors, strict=True))
+    ]
+    return drive_ranks(protocols)
 
 
 def _answer(requests: Sequence[Request], sent: list[int]) -> list[Any]:
