@@ -34,7 +34,7 @@ rank still sends its k: at many ranks the ranks' picks barely overlap, so a glob
 applies only a small share of what they picked (8.5 % at 16 ranks in
 ``bench/partitioned_drift.py``) and the rest waits in their memories; keeping 4 k of the
 sum applies more of it for ``keep * k`` entries back instead of k (docs/sparse.md,
-"Keeping more of the sum"). Where the ranks' picks cover at most ``keep * k`` places,
+"keep=K"). Where the ranks' picks cover at most ``keep * k`` places,
 all of them are kept.
 
 The protocol is :func:`~thinwire.compress.partitioned_runs.partitioned_run`, for one

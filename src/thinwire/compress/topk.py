@@ -55,8 +55,7 @@ class TopK(Compressor):
             each rank still sends its k (an integer >= 1; 1, the default: the global
             top-k). At many ranks the ranks' picks barely overlap and a global top-k
             applies few of them; ``keep`` 4 applies four times as many for ``keep * k``
-            entries back a rank instead of k (docs/sparse.md, "Keeping more of the
-            sum").
+            entries back a rank instead of k (docs/sparse.md, "keep=K").
         rebalance_every: with ``partitioned``, steps between re-balancings of the index
             ranges the ranks own (0: equal ranges throughout).
         block: send blocks of this many contiguous values, chosen by their L2 norm, with
