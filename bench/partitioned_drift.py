@@ -5,13 +5,13 @@
 
 N ranks simulated in this process, each with thinwire's own DGC compressor and DGC memory
 (momentum correction, warm-up), exchanging through the real protocols
-(:func:`thinwire.compress.simulated.drive_ranks`): gathering every rank's k entries, and
-``partitioned`` (the global top-k of their sum), and with ``--keep K`` the partitioned
-exchange keeping the global top ``K k`` (DGC's ``keep``). The model is a small MLP (784-128-10) on
-Fashion-MNIST, trained with each rank's own batch (per-rank gradients in one pass,
-``torch.func.vmap``), SGD with cosine decay; its two weight matrices are compressed, its
-biases averaged densely. A diagnostic of the mechanism, not the quality table's model
-(the ResNet runs with real ranks in ``thinwire bench``).
+(:func:`thinwire.compress.simulated.exchange_on_ranks`): gathering every rank's k
+entries, and ``partitioned`` (the global top-k of their sum), and with ``--keep K`` the
+partitioned exchange keeping the global top ``K k`` (DGC's ``keep``). The model is a
+small MLP (784-128-10) on Fashion-MNIST, trained with each rank's own batch (per-rank
+gradients in one pass, ``torch.func.vmap``), SGD with cosine decay; its two weight
+matrices are compressed, its biases averaged densely. A diagnostic of the mechanism, not
+the quality table's model (the ResNet runs with real ranks in ``thinwire bench``).
 
 For each exchange it reports, over the steps past the warm-up: the share of the entries
 the ranks picked that were applied (gathering applies all of them), the entries applied a
@@ -36,7 +36,7 @@ from torch.func import grad, vmap
 from thinwire.compress import Slot
 from thinwire.compress.base import num_selected
 from thinwire.compress.dgc import DGC
-from thinwire.compress.simulated import drive_ranks
+from thinwire.compress.simulated import exchange_on_ranks
 from thinwire.tasks.fashion import load_fashion
 
 HIDDEN = 128
@@ -94,9 +94,7 @@ def train(args: argparse.Namespace, partitioned: bool, keep: int = 1) -> dict[st
                 m.compensate(grads[name][r], s)
                 for r, (m, s) in enumerate(zip(memories, slots, strict=True))
             ]
-            outcomes, _ = drive_ranks(
-                [c.exchange(v, s) for c, v, s in zip(compressors, corrected, slots, strict=True)]
-            )
+            outcomes, _ = exchange_on_ranks(compressors, corrected, name, step)
             for memory, v, outcome, slot in zip(memories, corrected, outcomes, slots, strict=True):
                 memory.update(v, outcome, slot, compressed=True)
             if step >= args.warmup:
