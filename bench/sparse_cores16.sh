@@ -3,7 +3,8 @@
 # machine's 16 CPUs): DGC gathered, partitioned, and partitioned with keep=4, alternated,
 # 16 hosts at 100 Mbit/s, virtual accelerators (--compute sleep).
 #   bash bench/sparse_cores16.sh OUT_DIR [ROUNDS]
-# OUT_DIR gets one JSON record and one log per run (NAME-ROUND.json, .log). DATA_DIR names
+# OUT_DIR gets one JSON record, one log and TCP's losses per run (NAME-ROUND.json, .log,
+# .tcp: bench/tcp_losses.py). NAMES picks the runs and their order. DATA_DIR names
 # the Fashion-MNIST files where they are not at the Debian package's place; WORKERS and
 # BANDWIDTH change the bed (16, 100mbit). Each run has its own time limit.
 set -u
@@ -25,16 +26,20 @@ declare -A options=(
 )
 nproc --all
 for round in $(seq "$rounds"); do
-  for name in gathered partitioned keep4; do
+  for name in ${NAMES:-gathered partitioned keep4}; do
     run=$name-$round
     started=$SECONDS
     scratch=$(mktemp -d)
     timeout "${RUN_LIMIT:-300}" $py -m thinwire.cli bench "${bed[@]}" --options "${options[$name]}" \
-      --out "$scratch" >"$out/$run.log" 2>&1
+      --out "$scratch" >"$out/$run.log" 2>&1 &
+    bench=$!
+    $py bench/tcp_losses.py $bench --out "$out/$run.tcp" >>"$out/$run.log" 2>&1 &
+    wait $bench
     echo "== $run: exit $? after $((SECONDS - started)) s"
+    wait
     cp "$scratch"/*.json "$out/$run.json" 2>/dev/null
     rm -rf "$scratch"
-    grep -E "^│ (local|dgc)" "$out/$run.log"
+    grep -E "^│ (local|dgc)|retransmitted" "$out/$run.log"
   done
 done
 $py - "$out" <<'SUMMARY'

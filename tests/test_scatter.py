@@ -1,6 +1,7 @@
 """The scatter round (an uneven all-to-all of several requests at once) on real gloo ranks:
 every rank gets, per request and tensor, the rows each rank addressed to it, in source rank
-order, whatever the dtypes, row shapes and counts (zeros included); a poisoned source
+order, whatever the dtypes, row shapes and counts (zeros included), sent all at once or
+paced one partner at a time; a poisoned source
 poisons every rank's round; messages stay whole words; bad counts are refused."""
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ def _expected(dest: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def _scatter_on_gloo(rank: int, world: int, poisoner: int, device_flag: bool) -> tuple:
+def _scatter_on_gloo(
+    rank: int, world: int, poisoner: int, device_flag: bool, paced: bool
+) -> tuple:
     import torch.distributed as dist
 
+    from thinwire.comm import paced as pacing
     from thinwire.comm.scatter import scatter_round
 
     def collective(fn, *args, **kwargs) -> None:
@@ -62,9 +66,14 @@ def _scatter_on_gloo(rank: int, world: int, poisoner: int, device_flag: bool) ->
     poison: bool | torch.Tensor = rank == poisoner
     if device_flag:
         poison = torch.tensor(rank == poisoner)
-    answers, poisoned, sent, received = scatter_round(
-        _inputs(rank), poison, world, rank, collective
-    )
+    default = pacing.PACE_BYTES
+    pacing.PACE_BYTES = 1 if paced else default  # one partner at a time
+    try:
+        answers, poisoned, sent, received = scatter_round(
+            _inputs(rank), poison, world, rank, collective
+        )
+    finally:
+        pacing.PACE_BYTES = default
     dist.barrier()
     return answers, poisoned, sent, received
 
@@ -73,10 +82,11 @@ def _scatter_on_gloo(rank: int, world: int, poisoner: int, device_flag: bool) ->
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("poisoner", [-1, 2], ids=["clean", "rank2-poisoned"])
 @pytest.mark.parametrize("device_flag", [False, True], ids=["bool", "flag-tensor"])
+@pytest.mark.parametrize("paced", [False, True], ids=["at-once", "paced"])
 def test_every_rank_gets_the_rows_addressed_to_it_in_source_order(
-    pool4, poisoner: int, device_flag: bool
+    pool4, poisoner: int, device_flag: bool, paced: bool
 ) -> None:
-    found = pool4.run(_scatter_on_gloo, poisoner, device_flag)
+    found = pool4.run(_scatter_on_gloo, poisoner, device_flag, paced)
     for dest, (answers, poisoned, sent, received) in enumerate(found):
         expected = _expected(dest)
         for got, want in zip(answers, expected, strict=True):
@@ -87,7 +97,7 @@ def test_every_rank_gets_the_rows_addressed_to_it_in_source_order(
         assert isinstance(poisoned, torch.Tensor) == device_flag
         assert bool(poisoned) == (poisoner >= 0)
         # each message: 16 bytes of header, its rows, 8-15 status bytes, whole words;
-        # plus the lengths' all-to-all (8 bytes to and from each other rank)
+        # plus the lengths' all-to-all (every rank's 4 lengths to and from each other)
         for moved, direction in ((sent, "to"), (received, "from")):
             rows = 0
             for other in range(WORLD):
@@ -98,7 +108,7 @@ def test_every_rank_gets_the_rows_addressed_to_it_in_source_order(
                     count = (request.counts or ())[target]
                     rows += sum(count * t[0].numel() * t.element_size() for t in request.tensors)
             others = WORLD - 1
-            assert rows + others * (16 + 8 + 8) <= moved <= rows + others * (16 + 15 + 8)
+            assert rows + others * (16 + 8 + 32) <= moved <= rows + others * (16 + 15 + 32)
 
 
 def _bad_counts(rank: int, world: int) -> str:

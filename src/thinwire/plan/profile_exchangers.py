@@ -95,7 +95,7 @@ class _LocalCommunicator(Communicator):
         if scatters:
             own = sum(_nbytes(t[: r.counts[0]]) for r in scatters for t in r.tensors)
             total = sum(_nbytes(t) for r in scatters for t in r.tensors)
-            lengths = 8 * (self.world_size - 1)
+            lengths = 8 * self.world_size * (self.world_size - 1)  # every rank's lengths
             self.sent.append(Collective(ALLTOALL, lengths))
             self.sent.append(Collective(ALLTOALL, total - own + self.world_size - 1))
         if counts:
