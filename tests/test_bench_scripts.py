@@ -120,3 +120,31 @@ def test_partitioned_drift_applies_every_gathered_pick_and_fewer_partitioned(
     assert 0 < partitioned["picked_and_applied"] < 1.0
     assert partitioned["applied_per_tensor_step"] < gathered["applied_per_tensor_step"]
     assert 0.0 < partitioned["accuracy"] <= 1.0 and partitioned["memory_norm"] > 0
+
+
+def test_tcp_losses_sums_each_namespaces_last_reading(monkeypatch, tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import tcp_losses
+    finally:
+        sys.path.remove(str(BENCH))
+    outputs = {
+        "nstat": "#kernel\nTcpRetransSegs                  12                 0.0\n"
+        "TcpExtTCPTimeouts               1                  0.0\n",
+        "tc": "qdisc tbf 8001: root refcnt 2 rate 100Mbit\n Sent 5 bytes 3 pkt (dropped 4, "
+        "overlimits 0 requeues 0)\n",
+    }
+    monkeypatch.setattr(tcp_losses, "_in_namespace", lambda ns, tool, *rest: outputs[tool])
+    assert tcp_losses.reading("thinwire-x-h0") == {
+        "TcpRetransSegs": 12, "TcpExtTCPTimeouts": 1, "uplink_drops": 4,
+    }  # fmt: skip
+    (tmp_path / "thinwire-x-h0").touch()
+    (tmp_path / "thinwire-x-h1").touch()
+    (tmp_path / "other").touch()
+    monkeypatch.setattr(tcp_losses, "NETNS_DIR", str(tmp_path))
+    lives = iter([True, True, False])  # two rounds of samples, then the run is over
+    monkeypatch.setattr(tcp_losses, "_alive", lambda pid: next(lives))
+    totals = tcp_losses.watch(pid=1, every_s=0)
+    assert totals == {
+        "namespaces": 2, "TcpRetransSegs": 24, "TcpExtTCPTimeouts": 2, "uplink_drops": 8,
+    }  # fmt: skip
