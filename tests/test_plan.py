@@ -12,6 +12,7 @@ from torch import nn
 
 import thinwire
 from thinwire.cli import main
+from thinwire.comm.paced import PACE_BYTES
 from thinwire.compress.base import Slot, run_locally
 from thinwire.compress.none import NoCompression
 from thinwire.plan import (
@@ -19,6 +20,7 @@ from thinwire.plan import (
     ALLREDUCE,
     ALLTOALL,
     DIRECT,
+    PACED,
     BucketCost,
     Collective,
     ComputeTime,
@@ -35,6 +37,7 @@ from thinwire.plan import (
     step_time,
 )
 from thinwire.plan.embedding import TableLookups, measure_lookups, table_traffic
+from thinwire.plan.network import paced_steps
 from thinwire.strategies import strategy
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -643,6 +646,12 @@ def test_table_traffic_of_the_sharded_and_gathered_tables_by_hand() -> None:
     # an all-to-all's bytes are what a rank sends to all its peers, in one latency
     link = bare(MBYTE_PER_S, latency_s=0.01)
     assert collective_time(ALLTOALL, 300_000, 4, link) == pytest.approx(0.01 + 0.3)
+    # paced, the same bytes take a latency per window of partners (comm.paced's rule)
+    assert collective_time(PACED, 3_000, 4, link) == pytest.approx(0.01 + 0.003)
+    per_peer = 100_000  # above half the budget: one partner at a time, three windows
+    assert PACE_BYTES // per_peer == 1 and paced_steps(3 * per_peer, 4) == 3
+    assert collective_time(PACED, 300_000, 4, link) == pytest.approx(3 * 0.01 + 0.3)
+    assert paced_steps(15 * 57_000, 16) == 8  # 57 kB a partner: two at a time
     with pytest.raises(ValueError, match="prefetches the next batch's ids for one table"):
         table_traffic("emb-sharded", [table, table], {"prefetch": True}, world_size=4)
 

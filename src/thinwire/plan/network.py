@@ -44,7 +44,9 @@ ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
 DIRECT = "direct"
 ALLTOALL = "alltoall"  #: ``all_to_all_single``: ``nbytes`` is what a rank sends to all peers
-KINDS = (ALLREDUCE, ALLGATHER, DIRECT, ALLTOALL)
+#: the scatter rounds' all-to-all, in windows of partners (:mod:`thinwire.comm.paced`)
+PACED = "paced"
+KINDS = (ALLREDUCE, ALLGATHER, DIRECT, ALLTOALL, PACED)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> fl
 
     All-reduce: ``2(N-1)`` ring steps and ``2(N-1)/N * nbytes`` per rank on the wire;
     all-gather: ``N-1`` ring steps and ``(N-1) * nbytes``; direct: one step and
-    ``(N-1) * nbytes``; all-to-all: one step and ``nbytes`` (split among the peers); each
+    ``(N-1) * nbytes``; all-to-all: one step and ``nbytes`` (split among the peers); paced
+    all-to-all: the same bytes, a step per window of partners (:func:`paced_steps`); each
     step costs ``link.step_latency_s``. One rank (or nothing to send) costs nothing.
     """
     _check_kind(kind)
@@ -132,6 +135,8 @@ def collective_time(kind: str, nbytes: float, world_size: int, link: Link) -> fl
     if world_size == 1 or nbytes == 0:
         return 0.0
     steps = {ALLREDUCE: 2 * (world_size - 1), ALLGATHER: world_size - 1}.get(kind, 1)
+    if kind == PACED:
+        steps = paced_steps(nbytes, world_size)
     volume = wire_bytes(kind, nbytes, world_size)
     return steps * link.step_latency_s + volume * link.seconds_per_byte()
 
@@ -151,9 +156,23 @@ def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
     check_world(world_size)
     if kind == ALLREDUCE:
         return 2 * (world_size - 1) * nbytes / world_size
-    if kind == ALLTOALL:
+    if kind in (ALLTOALL, PACED):
         return nbytes
     return (world_size - 1) * nbytes
+
+
+def paced_steps(nbytes: float, world_size: int) -> int:
+    """Windows of partners a paced all-to-all of ``nbytes`` a rank (split evenly among the
+    peers) takes: ``ceil((N - 1) / window)``, the window as
+    :func:`thinwire.comm.paced.window_of` sizes it."""
+    from thinwire.comm.paced import window_of  # the transport's own rule
+
+    peers = world_size - 1
+    if peers < 1:
+        return 1
+    per_peer = math.ceil(nbytes / peers)
+    window = window_of([0] + [per_peer] * peers, rank=0)
+    return math.ceil(peers / window)
 
 
 def format_rate(bits_per_second: float) -> str:

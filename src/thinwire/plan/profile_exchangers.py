@@ -27,7 +27,7 @@ from thinwire.comm.collectives import (
 )
 from thinwire.comm.engine import GradientExchange, GradientItem
 from thinwire.compress.base import Aggregation, Compressor, Op, Request
-from thinwire.plan.network import ALLGATHER, ALLREDUCE, ALLTOALL, Collective
+from thinwire.plan.network import ALLGATHER, ALLREDUCE, ALLTOALL, PACED, Collective
 from thinwire.plan.profile_buckets import Bucket, Exchanger
 from thinwire.plan.profile_torch_hooks import TorchHook
 from thinwire.strategies.compressed import split_communicator
@@ -97,7 +97,7 @@ class _LocalCommunicator(Communicator):
             total = sum(_nbytes(t) for r in scatters for t in r.tensors)
             lengths = 8 * self.world_size * (self.world_size - 1)  # every rank's lengths
             self.sent.append(Collective(ALLTOALL, lengths))
-            self.sent.append(Collective(ALLTOALL, total - own + self.world_size - 1))
+            self.sent.append(Collective(PACED, total - own + self.world_size - 1))
         if counts:
             numel = sum(t.numel() for r in counts for t in r.tensors) + 1
             kind = ALLREDUCE if self.kind == ALLGATHER else self.kind
