@@ -4,7 +4,8 @@
 # 16 hosts at 100 Mbit/s, virtual accelerators (--compute sleep).
 #   bash bench/sparse_cores16.sh OUT_DIR [ROUNDS]
 # OUT_DIR gets one JSON record, one log and TCP's losses per run (NAME-ROUND.json, .log,
-# .tcp: bench/tcp_losses.py). NAMES picks the runs and their order. DATA_DIR names
+# .tcp: bench/tcp_losses.py). NAMES picks the runs and their order (gathered, partitioned,
+# keep4; partitioned-at-once and keep4-at-once: without pacing the all-to-alls). DATA_DIR names
 # the Fashion-MNIST files where they are not at the Debian package's place; WORKERS and
 # BANDWIDTH change the bed (16, 100mbit). Each run has its own time limit.
 set -u
@@ -30,8 +31,11 @@ for round in $(seq "$rounds"); do
     run=$name-$round
     started=$SECONDS
     scratch=$(mktemp -d)
-    timeout "${RUN_LIMIT:-300}" $py -m thinwire.cli bench "${bed[@]}" --options "${options[$name]}" \
-      --out "$scratch" >"$out/$run.log" 2>&1 &
+    base=${name%-at-once}
+    pace=()  # NAME-at-once: the same without pacing the all-to-alls
+    [ "$base" != "$name" ] && pace=(THINWIRE_PACE_BYTES=0)
+    timeout "${RUN_LIMIT:-300}" env "${pace[@]}" $py -m thinwire.cli bench "${bed[@]}" \
+      --options "${options[$base]}" --out "$scratch" >"$out/$run.log" 2>&1 &
     bench=$!
     $py bench/tcp_losses.py $bench --out "$out/$run.tcp" >>"$out/$run.log" 2>&1 &
     wait $bench
@@ -53,7 +57,11 @@ for name, pairs in runs.items():
     steps = [round(d["step_s_median"], 3) for d, _ in pairs]
     cpu = [round(d["cpu_s_per_step"] - loc["cpu_s_per_step"], 3) for d, loc in pairs]
     mb = pairs[0][0]["bytes_sent_per_step"] / 1e6
-    print(f"{name:12s} step s {steps}, MB sent {mb:.2f}, CPU s a rank over local's {cpu}")
+    files = sorted(pathlib.Path(sys.argv[1]).glob(name + "-[0-9]*.tcp"))
+    tcp = [json.loads(path.read_text()) for path in files]
+    resent = [t["TcpRetransSegs"] for t in tcp if t["namespaces"]]
+    print(f"{name:12s} step s {steps}, MB sent {mb:.2f}, CPU s a rank over local's {cpu}, "
+          f"TCP segments resent {resent}")
 if "gathered" in runs:
     base = statistics.median(d["step_s_median"] for d, _ in runs["gathered"])
     for name, pairs in runs.items():
