@@ -25,7 +25,7 @@ def test_the_environment_sets_the_budget_at_import() -> None:
     import sys
 
     script = "from thinwire.comm.paced import PACE_BYTES; print(PACE_BYTES)"
-    for value, wanted in (("0", "0"), ("4096", "4096"), (None, str(128 * 1024))):
+    for value, wanted in (("131072", "131072"), ("4096", "4096"), (None, "0")):
         env = {k: v for k, v in os.environ.items() if k != "THINWIRE_PACE_BYTES"}
         if value is not None:
             env["THINWIRE_PACE_BYTES"] = value

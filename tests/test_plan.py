@@ -12,7 +12,7 @@ from torch import nn
 
 import thinwire
 from thinwire.cli import main
-from thinwire.comm.paced import PACE_BYTES
+from thinwire.comm import paced as paced_module
 from thinwire.compress.base import Slot, run_locally
 from thinwire.compress.none import NoCompression
 from thinwire.plan import (
@@ -648,10 +648,18 @@ def test_table_traffic_of_the_sharded_and_gathered_tables_by_hand() -> None:
     assert collective_time(ALLTOALL, 300_000, 4, link) == pytest.approx(0.01 + 0.3)
     # paced, the same bytes take a latency per window of partners (comm.paced's rule)
     assert collective_time(PACED, 3_000, 4, link) == pytest.approx(0.01 + 0.003)
-    per_peer = 100_000  # above half the budget: one partner at a time, three windows
-    assert PACE_BYTES // per_peer == 1 and paced_steps(3 * per_peer, 4) == 3
-    assert collective_time(PACED, 300_000, 4, link) == pytest.approx(3 * 0.01 + 0.3)
-    assert paced_steps(15 * 57_000, 16) == 8  # 57 kB a partner: two at a time
+    per_peer, budget = 100_000, 128 * 1024  # over half the budget: one partner at a time
+    assert paced_steps(3 * per_peer, 4, budget) == 3
+    assert paced_steps(15 * 57_000, 16, budget) == 8  # 57 kB a partner: two at a time
+    assert paced_steps(15 * 57_000, 16, budget=0) == 1  # pacing off: all at once
+    saved = paced_module.PACE_BYTES
+    try:  # the model follows the transport's setting
+        paced_module.PACE_BYTES = budget
+        assert collective_time(PACED, 300_000, 4, link) == pytest.approx(3 * 0.01 + 0.3)
+        paced_module.PACE_BYTES = 0
+        assert collective_time(PACED, 300_000, 4, link) == pytest.approx(0.01 + 0.3)
+    finally:
+        paced_module.PACE_BYTES = saved
     with pytest.raises(ValueError, match="prefetches the next batch's ids for one table"):
         table_traffic("emb-sharded", [table, table], {"prefetch": True}, world_size=4)
 

@@ -3,9 +3,12 @@
 Every rank sending to every other at the same moment (``all_to_all_single``) makes each
 rank's downlink the meeting point of N - 1 bursts. A cheap switch holds a few hundred
 kilobytes per port; past that it drops packets, and the senders' TCP retransmits or waits
-out a timeout: *incast*. On 8 emulated hosts at 100 Mbit/s (a 256 KB buffer a port) the
-partitioned sparse exchange with ``keep=4`` retransmitted 1,265 segments in a 30-step
-run all at once, 44 paced.
+out a timeout: *incast*. Pacing is off by default (``PACE_BYTES`` 0): on 8 emulated hosts
+it cut the partitioned sparse exchange's retransmitted segments from about 1,480 to 2 a
+30-step run (``keep=4``, 100 Mbit/s) and 2,295 to 635 (10 Mbit/s), but not its step time
+(the same at 100 Mbit/s, 4 % longer at 10), where two cores for eight ranks hide the
+stalls (docs/sparse.md, "Pacing the all-to-all"). ``THINWIRE_PACE_BYTES=131072`` turns it
+on.
 
 So the messages travel in windows of partners: at offset ``i`` rank ``r`` sends to
 ``r + i`` and receives from ``r - i`` (mod N), each offset a permutation of the ranks, so
@@ -25,10 +28,10 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-#: bytes a rank keeps in flight towards its partners at once: half the 256 KB a port of
-#: the emulated switch holds, a cheap switch's order of magnitude. The environment
-#: variable ``THINWIRE_PACE_BYTES`` sets it at import (0: never pace, as before pacing).
-PACE_BYTES = int(os.environ.get("THINWIRE_PACE_BYTES", 128 * 1024))
+#: bytes a rank keeps in flight towards its partners at once; 0 (the default): no pacing,
+#: every message at once. The environment variable ``THINWIRE_PACE_BYTES`` sets it at
+#: import; 131072 (half the 256 KB a port of the emulated switch holds) is what was measured.
+PACE_BYTES = int(os.environ.get("THINWIRE_PACE_BYTES", 0))
 #: the tag of the paced exchange's point-to-point messages (apart from other traffic)
 PACE_TAG = 0x7477
 

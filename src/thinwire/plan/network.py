@@ -161,17 +161,18 @@ def wire_bytes(kind: str, nbytes: float, world_size: int) -> float:
     return (world_size - 1) * nbytes
 
 
-def paced_steps(nbytes: float, world_size: int) -> int:
+def paced_steps(nbytes: float, world_size: int, budget: int | None = None) -> int:
     """Windows of partners a paced all-to-all of ``nbytes`` a rank (split evenly among the
     peers) takes: ``ceil((N - 1) / window)``, the window as
-    :func:`thinwire.comm.paced.window_of` sizes it."""
+    :func:`thinwire.comm.paced.window_of` sizes it for ``budget`` (default: the
+    transport's, 0 unless ``THINWIRE_PACE_BYTES`` sets it: one window)."""
     from thinwire.comm.paced import window_of  # the transport's own rule
 
     peers = world_size - 1
     if peers < 1:
         return 1
     per_peer = math.ceil(nbytes / peers)
-    window = window_of([0] + [per_peer] * peers, rank=0)
+    window = window_of([0] + [per_peer] * peers, rank=0, budget=budget)
     return math.ceil(peers / window)
 
 
