@@ -1,5 +1,6 @@
 """The paced all-to-all: the same answer as ``all_to_all_single`` whatever the windows (one
-partner at a time, a different window on each rank, all at once), with uneven and empty
+partner at a time, a different window on each rank, all at once, a different budget on each
+rank), with uneven and empty
 messages, on a subgroup too, and a window that fits the byte budget."""
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def _paced_on_gloo(rank: int, world: int, budget: int, subgroup: bool) -> list[l
     every = [_sizes(source, world) for source in range(world)]
     sent, received = every[rank], [row[rank] for row in every]
     found = torch.full((sum(received),), -1, dtype=torch.int64)
+    # budget -1: the ranks' budgets differ (one does not pace at all; the rest do)
+    budgets = [0, 1, 10**9, 400][:world] if budget == -1 else [budget] * world
     paced_all_to_all(
-        found, _message(rank, world), received, sent, every, group=group, budget=budget
+        found, _message(rank, world), received, sent, every, group=group, budgets=budgets
     )
     wanted = torch.empty_like(found)
     dist.all_to_all_single(wanted, _message(rank, world), received, sent, group=group)
@@ -69,7 +72,9 @@ def _paced_on_gloo(rank: int, world: int, budget: int, subgroup: bool) -> list[l
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("budget", [1, 400, 10**9], ids=["one-at-a-time", "mixed", "all"])
+@pytest.mark.parametrize(
+    "budget", [1, 400, 10**9, -1], ids=["one-at-a-time", "mixed", "all", "budgets-differ"]
+)
 @pytest.mark.parametrize("subgroup", [False, True], ids=["world", "subgroup"])
 def test_paced_messages_arrive_as_all_to_all_delivers_them(
     pool4, budget: int, subgroup: bool

@@ -55,18 +55,20 @@ def paced_all_to_all(
     input_split_sizes: Sequence[int],
     every_split_sizes: Sequence[Sequence[int]],
     group: dist.ProcessGroup | None = None,
-    budget: int | None = None,
+    budgets: Sequence[int] | None = None,
 ) -> None:
     """``torch.distributed.all_to_all_single(output, input, output_split_sizes,
     input_split_sizes)`` (1-D tensors), its messages in windows of partners (see the
-    module docstring; ``budget``: see :func:`window_of`). ``every_split_sizes``: every
-    rank's ``input_split_sizes``, so that all ranks agree whether anyone paces: where
-    no rank needs to, it is the plain all-to-all."""
+    module docstring). ``every_split_sizes`` and ``budgets``: every rank's
+    ``input_split_sizes`` and pacing budget (default: this rank's :data:`PACE_BYTES` for
+    all), so that all ranks agree whether anyone paces, even where their budgets differ:
+    where no rank needs to, it is the plain all-to-all."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     unit = input.element_size()
+    budgets = [PACE_BYTES] * world if budgets is None else list(budgets)
     windows = [
-        window_of([n * unit for n in sizes], source, budget)
+        window_of([n * unit for n in sizes], source, budgets[source])
         for source, sizes in enumerate(every_split_sizes)
     ]
     if min(windows) >= world - 1:

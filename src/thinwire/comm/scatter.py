@@ -7,8 +7,8 @@ requests of a round travel together: rank i's message to rank j holds a header (
 request, the number of rows it sends, as int64), then per request and tensor those rows,
 then a status block of 8 to 15 bytes (its first byte 1: i's input was not finite), so
 that every message is a whole number of 8-byte words and the next one stays aligned. Two
-collectives: an all-to-all of the messages' lengths (each rank's to every rank, so that
-all know every message's), then one of the messages, paced so
+collectives: an all-to-all of the messages' lengths (each rank's to every rank, with its
+pacing budget, so that all know every message's), then one of the messages, paced so
 that a rank's large messages do not all burst into their receivers' links at once
 (:mod:`thinwire.comm.paced`).
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from thinwire.comm import paced
 from thinwire.comm.framing import as_bytes
 from thinwire.comm.paced import paced_all_to_all
 from thinwire.compress.base import Request
@@ -78,11 +79,13 @@ def scatter_round(
     )
     out_sizes = lengths.sum(dim=1).tolist()
     messages = _gather_ranges(source, starts.reshape(-1), lengths.reshape(-1), layout.unit)
-    # every rank's lengths to every rank: each rank's own, and whether anyone paces
-    sizes = torch.tensor(out_sizes, dtype=torch.int64).to(device)
-    every = torch.empty(world * world, dtype=torch.int64, device=device)
+    # every rank's lengths and pacing budget to every rank: each rank's own lengths, and
+    # whether anyone paces (the ranks agree on it even where their budgets differ)
+    sizes = torch.tensor([*out_sizes, paced.PACE_BYTES], dtype=torch.int64).to(device)
+    every = torch.empty(world * (world + 1), dtype=torch.int64, device=device)
     collective(dist.all_to_all_single, every, sizes.repeat(world))
-    every_sizes = every.view(world, world).tolist()
+    rows = every.view(world, world + 1).tolist()
+    every_sizes, budgets = [row[:world] for row in rows], [row[world] for row in rows]
     in_sizes = [row[rank] for row in every_sizes]
     buffer = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
     collective(
@@ -92,10 +95,11 @@ def scatter_round(
         output_split_sizes=in_sizes,
         input_split_sizes=out_sizes,
         every_split_sizes=every_sizes,
+        budgets=budgets,
     )
     answers, flags = _unpack(buffer, in_sizes, layout, len(requests))
     poisoned: bool | Tensor = flags if isinstance(poison, Tensor) else bool(flags)
-    control_bytes = 8 * world * (world - 1)
+    control_bytes = 8 * (world + 1) * (world - 1)
     sent = sum(out_sizes) - out_sizes[rank] + control_bytes
     received = sum(in_sizes) - in_sizes[rank] + control_bytes
     return answers, poisoned, sent, received

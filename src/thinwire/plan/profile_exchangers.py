@@ -95,7 +95,8 @@ class _LocalCommunicator(Communicator):
         if scatters:
             own = sum(_nbytes(t[: r.counts[0]]) for r in scatters for t in r.tensors)
             total = sum(_nbytes(t) for r in scatters for t in r.tensors)
-            lengths = 8 * self.world_size * (self.world_size - 1)  # every rank's lengths
+            # every rank's lengths and pacing budget, to each peer
+            lengths = 8 * (self.world_size + 1) * (self.world_size - 1)
             self.sent.append(Collective(ALLTOALL, lengths))
             self.sent.append(Collective(PACED, total - own + self.world_size - 1))
         if counts:
