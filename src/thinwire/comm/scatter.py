@@ -8,9 +8,9 @@ request, the number of rows it sends, as int64), then per request and tensor tho
 then a status block of 8 to 15 bytes (its first byte 1: i's input was not finite), so
 that every message is a whole number of 8-byte words and the next one stays aligned. Two
 collectives: an all-to-all of the messages' lengths (each rank's to every rank, with its
-pacing budget, so that all know every message's), then one of the messages, paced so
-that a rank's large messages do not all burst into their receivers' links at once
-(:mod:`thinwire.comm.paced`).
+pacing budget, so that all know every message's), then one of the messages, paced
+where ``THINWIRE_PACE_BYTES`` asks for it so that a rank's large messages do not all burst
+into their receivers' links at once (:mod:`thinwire.comm.paced`).
 
 The messages are cut from the requests' tensors, and the answers from what arrived, each
 by one gather over ranges worked out for all ranks and tensors at once, not a slice per
