@@ -34,6 +34,11 @@ def test_the_environment_sets_the_budget_at_import() -> None:
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
         )
         assert done.stdout.strip() == wanted, done.stderr
+    env["THINWIRE_PACE_BYTES"] = "128k"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "whole number of bytes" in done.stderr
 
 
 def _sizes(source: int, world: int) -> list[int]:

@@ -10,7 +10,7 @@ it cut the partitioned sparse exchange's retransmitted segments from about 1,480
 stalls (docs/sparse.md, "Pacing the all-to-all"). ``THINWIRE_PACE_BYTES=131072`` turns it
 on.
 
-So the messages travel in windows of partners: at offset ``i`` rank ``r`` sends to
+Paced, the messages travel in windows of partners: at offset ``i`` rank ``r`` sends to
 ``r + i`` and receives from ``r - i`` (mod N), each offset a permutation of the ranks, so
 that every rank receives from as many senders as it sends to. A window holds as many
 offsets as keep this rank's messages in flight within :data:`PACE_BYTES` (at least one,
@@ -31,7 +31,17 @@ from torch import Tensor
 #: bytes a rank keeps in flight towards its partners at once; 0 (the default): no pacing,
 #: every message at once. The environment variable ``THINWIRE_PACE_BYTES`` sets it at
 #: import; 131072 (half the 256 KB a port of the emulated switch holds) is what was measured.
-PACE_BYTES = int(os.environ.get("THINWIRE_PACE_BYTES", 0))
+def _budget_from_environment() -> int:
+    text = os.environ.get("THINWIRE_PACE_BYTES", "0").strip() or "0"
+    if not text.isdigit():
+        raise ValueError(
+            f"THINWIRE_PACE_BYTES must be a whole number of bytes >= 0 (0: no pacing), got "
+            f"{text!r}; unset it or set it to, say, 131072"
+        )
+    return int(text)
+
+
+PACE_BYTES = _budget_from_environment()
 #: the tag of the paced exchange's point-to-point messages (apart from other traffic)
 PACE_TAG = 0x7477
 
