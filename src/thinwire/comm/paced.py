@@ -28,10 +28,9 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-#: bytes a rank keeps in flight towards its partners at once; 0 (the default): no pacing,
-#: every message at once. The environment variable ``THINWIRE_PACE_BYTES`` sets it at
-#: import; 131072 (half the 256 KB a port of the emulated switch holds) is what was measured.
+
 def _budget_from_environment() -> int:
+    """``THINWIRE_PACE_BYTES``, checked (unset: 0)."""
     text = os.environ.get("THINWIRE_PACE_BYTES", "0").strip() or "0"
     if not text.isdigit():
         raise ValueError(
@@ -41,6 +40,9 @@ def _budget_from_environment() -> int:
     return int(text)
 
 
+#: bytes a rank keeps in flight towards its partners at once; 0 (the default): no pacing,
+#: every message at once. The environment variable ``THINWIRE_PACE_BYTES`` sets it at
+#: import; 131072 (half the 256 KB a port of the emulated switch holds) is what was measured.
 PACE_BYTES = _budget_from_environment()
 #: the tag of the paced exchange's point-to-point messages (apart from other traffic)
 PACE_TAG = 0x7477
