@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import time
 from pathlib import Path
 
-from thinwire.cluster.emulated import NETNS_DIR, PREFIX
+from thinwire.cluster.emulated import list_namespaces, process_alive
 
 COUNTERS = ("TcpRetransSegs", "TcpExtTCPTimeouts")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 def _in_namespace(namespace: str, *command: str) -> str:
@@ -58,9 +49,8 @@ def reading(namespace: str) -> dict[str, int] | None:
 def watch(pid: int, every_s: float = 1.0) -> dict[str, int]:
     """Sample until ``pid`` exits; the sums of the namespaces' last readings."""
     last: dict[str, dict[str, int]] = {}
-    while _alive(pid):
-        names = os.listdir(NETNS_DIR) if os.path.isdir(NETNS_DIR) else []
-        for namespace in (n for n in names if n.startswith(PREFIX)):
+    while process_alive(pid):
+        for namespace in list_namespaces():
             found = reading(namespace)
             if found is not None:
                 last[namespace] = found

@@ -138,12 +138,9 @@ def test_tcp_losses_sums_each_namespaces_last_reading(monkeypatch, tmp_path: Pat
     assert tcp_losses.reading("thinwire-x-h0") == {
         "TcpRetransSegs": 12, "TcpExtTCPTimeouts": 1, "uplink_drops": 4,
     }  # fmt: skip
-    (tmp_path / "thinwire-x-h0").touch()
-    (tmp_path / "thinwire-x-h1").touch()
-    (tmp_path / "other").touch()
-    monkeypatch.setattr(tcp_losses, "NETNS_DIR", str(tmp_path))
+    monkeypatch.setattr(tcp_losses, "list_namespaces", lambda: ["thinwire-x-h0", "thinwire-x-h1"])
     lives = iter([True, True, False])  # two rounds of samples, then the run is over
-    monkeypatch.setattr(tcp_losses, "_alive", lambda pid: next(lives))
+    monkeypatch.setattr(tcp_losses, "process_alive", lambda pid: next(lives))
     totals = tcp_losses.watch(pid=1, every_s=0)
     assert totals == {
         "namespaces": 2, "TcpRetransSegs": 24, "TcpExtTCPTimeouts": 2, "uplink_drops": 8,

@@ -52,9 +52,7 @@ def _expected(dest: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def _scatter_on_gloo(
-    rank: int, world: int, poisoner: int, device_flag: bool, paced: bool
-) -> tuple:
+def _scatter_on_gloo(rank: int, world: int, poisoner: int, device_flag: bool, paced: bool) -> tuple:
     import torch.distributed as dist
 
     from thinwire.comm import paced as pacing

@@ -409,7 +409,7 @@ def _is_forwarder(pid: int, tag: str) -> bool:
     return (
         b"thinwire.cluster.forwarder" in cmdline
         and f'"tw{tag}h0"'.encode() in cmdline
-        and _alive(pid)
+        and process_alive(pid)
     )
 
 
@@ -425,7 +425,8 @@ def _cluster_lock() -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one not yet reaped is gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -440,9 +441,9 @@ def _alive(pid: int) -> bool:
 
 def _wait_gone(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(pid):
+    if process_alive(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from thinwire.comm import paced
 from thinwire.comm.framing import as_bytes
-from thinwire.comm.paced import paced_all_to_all
 from thinwire.compress.base import Request
 
 #: bytes of a message's status block, at least (padded to end the message on a word)
@@ -89,7 +88,7 @@ def scatter_round(
     in_sizes = [row[rank] for row in every_sizes]
     buffer = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
     collective(
-        paced_all_to_all,
+        paced.paced_all_to_all,
         buffer,
         messages,
         output_split_sizes=in_sizes,

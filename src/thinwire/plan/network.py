@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from thinwire.comm.paced import window_of
+
 #: bytes of headers in every TCP/IPv4 packet: 20 IP + 20 TCP + 12 (timestamp option)
 TCP_IP_HEADER_BYTES = 52
 #: a standard Ethernet MTU; the emulated cluster raises it with the rate (see Link.mtu)
@@ -166,8 +168,6 @@ def paced_steps(nbytes: float, world_size: int, budget: int | None = None) -> in
     peers) takes: ``ceil((N - 1) / window)``, the window as
     :func:`thinwire.comm.paced.window_of` sizes it for ``budget`` (default: the
     transport's, 0 unless ``THINWIRE_PACE_BYTES`` sets it: one window)."""
-    from thinwire.comm.paced import window_of  # the transport's own rule
-
     peers = world_size - 1
     if peers < 1:
         return 1
