@@ -7,7 +7,8 @@
 For each plan: on the left what the cost model's simulator says each pipeline stage
 computes and when (forward, recomputation, backward of each micro-batch); on the right what
 the virtual accelerators of the run's last step did (``thinwire bench --compute sleep``
-notes every forward, recomputation and backward it sleeps), the first data-parallel
+notes every forward, recomputation and backward it sleeps, and since 2026-11-28 each
+rank's data-parallel exchange and optimizer step after them), the first data-parallel
 replica's ranks. Same time axis on both sides; the simulator's step and the measured one
 in the titles.
 """
@@ -19,12 +20,13 @@ import json
 from pathlib import Path
 
 from thinwire.bench.hybrid_predict import profiles_for, stage_costs
+from thinwire.bench.step_phases import PHASES
 from thinwire.parallel.plan_spec import parse_plan
 from thinwire.plan.hybrid_cost import Degrees, predict_plan
 from thinwire.plan.probe import LinkProbe
 
-COLOURS = {"F": "#4c78a8", "R": "#f58518", "B": "#54a24b"}
-NAMES = {"F": "forward", "R": "recompute", "B": "backward"}
+COLOURS = {"F": "#4c78a8", "R": "#f58518", "B": "#54a24b", "X": "#b279a2", "O": "#9d755d"}
+NAMES = {"F": "forward", "R": "recompute", "B": "backward", **PHASES}
 
 
 def measured_timeline(record: dict, plan) -> list[tuple[int, str, float, float]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 
 import pytest
 import torch
@@ -111,6 +112,16 @@ def test_this_process_sees_what_it_sent_over_loopback() -> None:
     assert 200_000 <= sent.within_host < 201_000
 
 
+def test_a_sleeping_run_needs_a_step_after_the_untimed_ones() -> None:
+    plans = (parse_plan("2x1x1"),)
+    with pytest.raises(ValueError, match="--steps 3 leaves no step to time after the 3"):
+        HybridConfig(task="gpt", plans=plans, steps=3, compute="sleep")
+    with pytest.raises(ValueError, match="--untimed-steps must be >= 0"):
+        HybridConfig(task="gpt", plans=plans, steps=3, compute="sleep", untimed_steps=-1)
+    assert HybridConfig(task="gpt", plans=plans, steps=4, compute="sleep").untimed_steps == 3
+    HybridConfig(task="gpt", plans=plans, steps=3)  # real compute times every step
+
+
 def test_compute_must_be_real_or_sleep() -> None:
     with pytest.raises(ValueError, match="--compute must be real or sleep"):
         HybridConfig(task="gpt", plans=(parse_plan("2x1x1"),), steps=2, compute="fast")
@@ -182,12 +193,20 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     code = main([
         "bench", "--task", "gpt", "--plans", "1x2x2/mb2", "--compute", "sleep",
         "--ranks-per-host", "2", "--bandwidth", "100mbit", "--latency", "1ms", "--steps", "3",
-        "--task-options", json.dumps(SMALL), "--out", str(out), "--timeout", "300",
+        "--untimed-steps", "1", "--task-options", json.dumps(SMALL), "--out", str(out),
+        "--timeout", "300",
     ])  # fmt: skip
     assert code == 0
     (record,) = json.loads((out / "results.json").read_text())["records"]
     assert (out / "throughput.png").exists()
     assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
+    assert record["step_s"] == statistics.median(record["steps_s"][1:])  # after the untimed
+    # every rank's last step: its computes, then its optimizer step (dp=1: no exchange)
+    for timeline in record["timelines"]:
+        kinds = [kind for _, kind, _, _ in timeline]
+        assert "X" not in kinds and kinds.count("O") == 1
+        (optimizer,) = [e for e in timeline if e[1] == "O"]
+        assert optimizer[2] >= max(end for _, kind, _, end in timeline if kind in "FRB")
     # the two stages on separate hosts: activations and their gradients cross; tensor
     # parallelism stays inside each host. The model counts both (data-parallel traffic is
     # checked against it in the 25 M runs of docs/measurements.md)

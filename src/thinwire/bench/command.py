@@ -121,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on an accelerator that leaves the CPU to the network (timings only; no eval)",
     )
     parser.add_argument(
+        "--untimed-steps",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --plans --compute sleep: leave the first N of --steps out of the step "
+        "time (a plan's first steps warm its ranks' memory and sockets; default 3)",
+    )
+    parser.add_argument(
         "--compute-speedup",
         type=float,
         default=1.0,
@@ -290,6 +298,7 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
             latency=args.latency,
             compute=args.compute,
             uplink_queue=args.uplink_queue,
+            untimed_steps=args.untimed_steps,
         )
     except (ValueError, TypeError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")

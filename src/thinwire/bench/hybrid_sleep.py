@@ -2,7 +2,7 @@
 
 Per plan: every stage's shard is profiled on one process (:mod:`thinwire.plan.stage_profile`,
 one core to itself), then every rank builds the real trainer, takes one real step's
-gradients without exchanging them, and times ``steps`` steps in which each stage sleeps
+gradients without exchanging them, and runs ``steps`` steps in which each stage sleeps
 its profiled compute and replays its tensor-parallel collectives
 (:mod:`thinwire.bench.sleeping_stages`); the pipeline's sends, the loss, the
 data-parallel exchange (and its compressor) and the optimizer run for real. Each rank
@@ -11,7 +11,10 @@ counters, :mod:`thinwire.bench.traffic`), beside the cost model's count for the 
 (:mod:`thinwire.plan.plan_traffic`), and what the real forward and backward pass sent (the
 pipeline's and tensor parallelism's traffic without the data-parallel exchange, at the
 second real step, past the schedule's shape inference: under ``dp=1`` the sleeping steps
-must send the same).
+must send the same). The step time is the median of the steps after the
+``untimed_steps`` first (the steady state, which the planner predicts); the last step's
+timeline notes each compute, the data-parallel exchange and the optimizer step
+(:mod:`thinwire.bench.step_phases`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from typing import Any
 
 from thinwire.bench.sleeping_stages import capture_gradients, sleep_stages
+from thinwire.bench.step_phases import StepPhases
 from thinwire.bench.traffic import sent_now
 from thinwire.parallel import ParallelPlan, parallelize
 from thinwire.plan.activations import SavedActivations
@@ -89,11 +93,13 @@ def time_plan(
         gradients = capture_gradients(trainer, inputs, targets)
     real = sent_now() - before
     sleepers = sleep_stages(trainer, profiles, gradients)
+    phases = StepPhases(trainer)
     seconds, within, between = [], [], []
     for _ in range(config.steps):
         before = sent_now()
         for sleeper in sleepers:
             sleeper.events.clear()
+        phases.events.clear()
         start = time.perf_counter()
         trainer.step(inputs, targets)
         seconds.append(time.perf_counter() - start)
@@ -101,7 +107,7 @@ def time_plan(
         within.append(sent.within_host)
         between.append(sent.between_hosts)
     trainer.close()
-    timed = slice(1, None) if config.steps > 1 else slice(None)
+    timed = slice(config.untimed_steps, None)
     return {
         "step_s": statistics.median(seconds[timed]),
         "steps_s": seconds,
@@ -113,6 +119,10 @@ def time_plan(
             (sleeper.profile.index, kind, begin - start, end - start)
             for sleeper in sleepers
             for kind, begin, end in sleeper.events
+        ]
+        + [  # then its exchange and optimizer step (under this rank's first stage)
+            (sleepers[0].profile.index, kind, begin - start, end - start)
+            for kind, begin, end in phases.events
         ],
     }
 

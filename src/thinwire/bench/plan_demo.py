@@ -7,7 +7,8 @@ prediction beside its measurement.
 2. the planner profiles the model's parts on this machine and searches every plan on
    those links (:func:`thinwire.plan.hybrid_command.plan_for`) and explains its choice;
 3. the three plans run on the same ranks, on virtual accelerators (``--compute sleep``:
-   each stage sleeps the compute it measured; communication is real), a few steps each.
+   each stage sleeps the compute it measured; communication is real), a few steps each,
+   timed after the first ``untimed_steps`` (the planner predicts the steady state).
 
 The probe and the profiles come before the runs; nothing measured in step 3 feeds step 2.
 """
@@ -44,7 +45,8 @@ def run_plan_demo(
     ranks_per_host: int = 4,
     bandwidth: str = "100mbit",
     latency: str = "1ms",
-    steps: int = 3,
+    steps: int = 5,
+    untimed_steps: int = 3,
     model: dict[str, Any] | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
@@ -81,7 +83,7 @@ def run_plan_demo(
         config = HybridConfig(
             task="gpt", plans=tuple(parse_plan(label) for label in labels), steps=steps,
             task_options=options, network="emulated", ranks_per_host=ranks_per_host,
-            bandwidth=bandwidth, latency=latency, compute="sleep",
+            bandwidth=bandwidth, latency=latency, compute="sleep", untimed_steps=untimed_steps,
         )  # fmt: skip
         rows = []
         for role, label, plan in zip(

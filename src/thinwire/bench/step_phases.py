@@ -1,0 +1,57 @@
+"""What a hybrid step does after its pipeline, timed per rank for ``thinwire bench``.
+
+The cost model splits a step into the pipeline, the data-parallel exchange and the
+optimizer step (:class:`thinwire.plan.hybrid_cost.PlanPrediction`); a sleeping run's
+timeline showed only the pipeline's computes, so a plan predicted short could not say
+which part the model missed. :class:`StepPhases` notes, on one rank, when its trainer
+averaged the gradients over the ``dp`` group (``"X"``: the optimizer wrapper's
+``synchronize``) and when it stepped the wrapped optimizer (``"O"``), as
+``(kind, start, end)`` in :attr:`StepPhases.events`, beside the computes the sleeping
+stages note.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: the kinds noted, with what they stand for
+PHASES = {"X": "data-parallel exchange", "O": "optimizer step"}
+
+
+class StepPhases:
+    """Times a trainer's exchange and optimizer step from now on.
+
+    Args:
+        trainer: a :class:`thinwire.parallel.trainer.ParallelTrainer`. Its optimizer is
+            either thinwire's data-parallel wrapper (``synchronize`` then the wrapped
+            optimizer's ``step``) or, under ``dp = 1``, a plain ``torch.optim`` optimizer.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.events: list[tuple[str, float, float]] = []
+        outer = trainer.optimizer
+        inner = getattr(outer, "optimizer", outer)
+        if hasattr(outer, "synchronize") and inner is not outer:
+            outer.synchronize = self._timed("X", outer.synchronize)
+        if hasattr(inner, "register_step_pre_hook"):
+            self._started = 0.0
+            inner.register_step_pre_hook(self._optimizer_starts)
+            inner.register_step_post_hook(self._optimizer_ends)
+
+    def _timed(self, kind: str, call: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            start = time.perf_counter()
+            try:
+                call()
+            finally:
+                self.events.append((kind, start, time.perf_counter()))
+
+        return timed
+
+    def _optimizer_starts(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _optimizer_ends(self, *_: Any) -> None:
+        self.events.append(("O", self._started, time.perf_counter()))
