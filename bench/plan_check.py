@@ -10,6 +10,11 @@ time and peak memory per rank; then how far the planner's choice is from the fas
 measured, the median and worst error, and Spearman's correlation between the planner's
 order and the measured one. The planner's figures come from its own probe and profiles,
 taken before the sweep; nothing of the sweep goes into them.
+
+Where the sweep noted its ranks' exchange and optimizer step (runs since 2026-11-28), each
+row also splits the step as the model does, predicted beside measured (the measured from
+the last step's timeline, the slowest rank each): the pipeline (its last compute's end),
+the data-parallel exchange and the optimizer step.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def check(plan_json: Path, results: Path | list[Path], memory_limit: int | None 
                 "predicted_peak_bytes": predicted["peak_memory_bytes"],
                 "measured_peak_bytes": record["peak_memory_bytes"],
                 "peak_error": predicted["peak_memory_bytes"] / record["peak_memory_bytes"] - 1,
+                "parts": _parts(predicted, record),
             }
         )
     if not rows:
@@ -99,6 +105,25 @@ def check(plan_json: Path, results: Path | list[Path], memory_limit: int | None 
     }
 
 
+def _parts(predicted: dict, record: dict) -> dict | None:
+    """The step split as the model splits it, predicted and measured (``None`` where the
+    run noted no exchange or optimizer step)."""
+    timelines = [t for t in record.get("timelines", []) if t]
+    if not any(kind in "XO" for t in timelines for _, kind, _, _ in t):
+        return None
+
+    def longest(kind: str) -> float:
+        spans = [end - start for t in timelines for _, k, start, end in t if k == kind]
+        return max(spans, default=0.0)
+
+    pipeline = max(end for t in timelines for _, kind, _, end in t if kind in "FRB")
+    return {
+        "pipeline_s": [predicted.get("pipeline_s"), pipeline],
+        "exchange_s": [predicted.get("data_parallel_s"), longest("X")],
+        "optimizer_s": [predicted.get("optimizer_s"), longest("O")],
+    }
+
+
 def markdown(summary: dict) -> str:
     """The comparison as a Markdown table and a summary line."""
     lines = [
@@ -112,6 +137,17 @@ def markdown(summary: dict) -> str:
             f"{r['error']:+.0%} | {r['predicted_peak_bytes'] / 2**20:.0f} / "
             f"{r['measured_peak_bytes'] / 2**20:.0f} |"
         )
+    split = [r for r in summary["rows"] if r.get("parts")]
+    if split:
+        lines += [
+            "\n| plan | pipeline s predicted / measured | exchange s | optimizer s |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in split:
+            cells = [
+                f"{'-' if p is None else f'{p:.2f}'} / {m:.2f}" for p, m in r["parts"].values()
+            ]
+            lines.append(f"| {r['plan']} | {' | '.join(cells)} |")
     gap = summary["chosen_over_best"]
     lines.append(
         f"\nchosen {summary['chosen']} (measured {'not' if gap is None else f'{gap:+.1%}'} "

@@ -243,8 +243,10 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
     records = [
         {"plan": "8x1x1/mb1/1f1b", "step_s": 10.0, "peak_memory_bytes": 300},
         {"plan": "8x1x1/mb1/1f1b:dgc(d=1,warmup_steps=0)", "step_s": 2.2, "peak_memory_bytes": 250},
-        {"plan": "4x2x1/mb8/gpipe", "step_s": 2.5, "peak_memory_bytes": 100},
-    ]
+        {"plan": "4x2x1/mb8/gpipe", "step_s": 2.5, "peak_memory_bytes": 100,
+         "timelines": [[[0, "F", 0.0, 0.5], [0, "B", 0.6, 1.9], [0, "X", 1.9, 2.2],
+                        [0, "O", 2.2, 2.3]], [[1, "B", 0.9, 2.0], [1, "X", 2.0, 2.4]]]},
+    ]  # fmt: skip
     (tmp_path / "plan.json").write_text(json.dumps(planned))
     (tmp_path / "results.json").write_text(json.dumps({"records": records}))
     summary = plan_check.check(tmp_path / "plan.json", tmp_path / "results.json", 220)
@@ -256,6 +258,13 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
     assert summary["spearman"] == pytest.approx(0.5)
     assert summary["max_abs_peak_error"] == pytest.approx(0.2)
     assert "chosen 4x2x1/mb8/gpipe" in plan_check.markdown(summary)
+    # the step split as the model splits it, where the run noted its exchange and optimizer
+    split = summary["rows"][0]["parts"]
+    assert split["pipeline_s"][1] == 2.0 and split["exchange_s"][1] == pytest.approx(0.4)
+    assert split["optimizer_s"][1] == pytest.approx(0.1)
+    assert split["exchange_s"][0] is None  # the planner's row here gave no breakdown
+    assert [r["parts"] for r in summary["rows"][1:]] == [None, None]
+    assert "| 4x2x1/mb8/gpipe | - / 2.00 | - / 0.40 | - / 0.10 |" in plan_check.markdown(summary)
     limit = summary["memory_limit"]
     assert limit["said_to_fit"] == ["4x2x1/mb8/gpipe", "8x1x1/mb1/1f1b:dgc(d=1)"]
     assert limit["wrong"] == ["8x1x1/mb1/1f1b:dgc(d=1)"]  # 200 said, 250 measured
