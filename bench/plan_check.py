@@ -12,9 +12,9 @@ order and the measured one. The planner's figures come from its own probe and pr
 taken before the sweep; nothing of the sweep goes into them.
 
 Where the sweep noted its ranks' exchange and optimizer step (runs since 2026-11-28), each
-row also splits the step as the model does, predicted beside measured (the measured from
-the last step's timeline, the slowest rank each): the pipeline (its last compute's end),
-the data-parallel exchange and the optimizer step.
+row also splits the step as the model does, predicted beside measured (the measured along
+the critical path of the run's last step): the pipeline, the data-parallel exchange and
+the optimizer step.
 """
 
 from __future__ import annotations
@@ -107,20 +107,22 @@ def check(plan_json: Path, results: Path | list[Path], memory_limit: int | None 
 
 def _parts(predicted: dict, record: dict) -> dict | None:
     """The step split as the model splits it, predicted and measured (``None`` where the
-    run noted no exchange or optimizer step)."""
+    run noted no exchange or optimizer step). Measured along the critical path of the
+    last step: the pipeline until the last rank's last compute ends, the exchange until
+    the last rank's exchange ends, the optimizer until the last rank's step ends."""
     timelines = [t for t in record.get("timelines", []) if t]
     if not any(kind in "XO" for t in timelines for _, kind, _, _ in t):
         return None
 
-    def longest(kind: str) -> float:
-        spans = [end - start for t in timelines for _, k, start, end in t if k == kind]
-        return max(spans, default=0.0)
+    def last(kinds: str) -> float:
+        return max((end for t in timelines for _, k, _, end in t if k in kinds), default=0.0)
 
-    pipeline = max(end for t in timelines for _, kind, _, end in t if kind in "FRB")
+    pipeline = last("FRB")
+    exchanged = max(pipeline, last("X"))
     return {
         "pipeline_s": [predicted.get("pipeline_s"), pipeline],
-        "exchange_s": [predicted.get("data_parallel_s"), longest("X")],
-        "optimizer_s": [predicted.get("optimizer_s"), longest("O")],
+        "exchange_s": [predicted.get("data_parallel_s"), exchanged - pipeline],
+        "optimizer_s": [predicted.get("optimizer_s"), max(0.0, last("O") - exchanged)],
     }
 
 
