@@ -180,7 +180,11 @@ def rank_memory(trainer: ParallelTrainer, activations: int) -> dict[str, int]:
 
 
 def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dict]:
-    """Train every plan in turn on one pool of local ranks; write ``results.json``."""
+    """Train every plan in turn, each on fresh local ranks; write ``results.json``.
+
+    Fresh ranks per plan: the ranks of one pool had grown to 3.4 GB each after seven plans
+    of a 27 M GPT (the kernel killed one at the eighth), and a plan's first steps would
+    otherwise depend on what the plans before it left in the ranks' memory."""
     out.mkdir(parents=True, exist_ok=True)
     job = task(config.task, **config.task_options)
     getattr(job, "corpus", None)  # make the data (and its cache) before the ranks start
@@ -193,13 +197,13 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
                 ranks_per_host=config.ranks_per_host, uplink_queue=config.uplink_queue,
             )  # fmt: skip
             placement = Placement.on(stack.enter_context(cluster))
-        pool = stack.enter_context(LocalPool(world, collective_timeout_s=300, placement=placement))
         shared: dict = {}  # stage profiles, shared by plans differing in schedule only
         for plan in config.plans:
-            if config.compute == "sleep":
-                record = time_on_sleeping_ranks(pool, config, plan, report, shared)
-            else:
-                record = _train(pool, config, plan, report)
+            with LocalPool(world, collective_timeout_s=300, placement=placement) as pool:
+                if config.compute == "sleep":
+                    record = time_on_sleeping_ranks(pool, config, plan, report, shared)
+                else:
+                    record = _train(pool, config, plan, report)
             records.append(record)
             summary = {"config": _describe(config), "records": records}
             (out / "results.json").write_text(json.dumps(summary, indent=2))
