@@ -272,6 +272,16 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
     assert limit["wrong"] == ["8x1x1/mb1/1f1b:dgc(d=1)"]  # 200 said, 250 measured
 
 
+def test_plan_sample_takes_the_best_every_tenth_and_the_references():
+    plan_sample = _bench_script("plan_sample")
+    ranked = [f"p{i}" for i in range(1, 40)] + ["8x1x1/mb1/1f1b:dgc(density=0.01,momentum=0.0)"]
+    labels = plan_sample.sample(ranked, world=8)
+    assert labels[:8] == [f"p{i}" for i in range(1, 9)]
+    assert labels[8:11] == ["p18", "p28", "p38"]  # the 18th, 28th and 38th
+    # the DGC reference is ranked and runs in its steady state; the others are not ranked
+    assert labels[11:] == ["8x1x1/mb1/1f1b:dgc(density=0.01,momentum=0.0,warmup_steps=0)"]
+
+
 def test_parallelize_auto_says_what_it_needs():
     import torch.distributed as dist
 
