@@ -11,7 +11,17 @@ from thinwire.parallel.interleaved_program import held_in_turn
 from thinwire.plan.cost import BucketCost, MethodCost
 from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, StageCost, fitted_link, predict_plan
 from thinwire.plan.network import Collective, collective_time
-from thinwire.plan.probe import Fit, LinkProbe, PointToPoint, fit_line, hosts_of, run_probe
+from thinwire.plan.probe import (
+    BACK_TO_BACK,
+    Fit,
+    LinkProbe,
+    PointToPoint,
+    _sizes,
+    back_to_back,
+    fit_line,
+    hosts_of,
+    run_probe,
+)
 from thinwire.plan.schedule_sim import StageTimes, simulate
 
 
@@ -55,9 +65,34 @@ def test_a_probe_saves_and_loads_and_a_bad_file_says_what_to_run(tmp_path):
         LinkProbe.load(tmp_path / "bad.json")
 
 
+def _skewed_allreduce_first_sample(rank: int) -> float:
+    """The intra-host all-reduce's smallest sample when rank 1 leaves every barrier 40 ms
+    after the others, as a loaded host's rank may."""
+    import time
+
+    import torch.distributed as dist
+
+    from thinwire.plan import probe as probe_module
+
+    barrier = dist.barrier
+
+    def late_barrier(*args, **kwargs):
+        barrier(*args, **kwargs)
+        if rank == 1:
+            time.sleep(0.04)
+
+    dist.barrier = late_barrier
+    try:
+        fit = probe_module._probe_allreduce([[0, 1], [2, 3]], target_s=0.02, repeats=1)
+    finally:
+        dist.barrier = barrier
+    return fit.samples[0][1]
+
+
 def _probe_on_loopback(rank: int, world: int) -> dict:
     probe = run_probe(ranks_per_host=2, target_s=0.02, repeats=1)
     return {
+        "skewed": _skewed_allreduce_first_sample(rank),
         "pairs": [p.pairs for p in probe.point_to_point],
         "intra": sorted(probe.intra_allreduce),
         "inter": sorted(probe.inter_allreduce),
@@ -88,6 +123,27 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     # two at once measured at every size the fit measured
     assert all(sizes == measured and len(sizes) >= 3 for sizes, measured in first["per_size"])
     assert first["at_once"] == 2  # gloo's worker threads, read from the group
+    # a rank 40 ms late out of the barrier: timed one transfer alone it would count all
+    # 40 ms; back to back it is spread over BACK_TO_BACK (8) transfers
+    assert first["skewed"] < 0.02
+
+
+def test_transfers_are_timed_back_to_back_fewer_as_they_grow():
+    assert back_to_back(0.0, 0.25) == BACK_TO_BACK  # nothing known yet: the most
+    assert back_to_back(0.001, 0.25) == BACK_TO_BACK
+    assert back_to_back(0.1, 0.25) == 2
+    assert back_to_back(1.0, 0.25) == 1  # never none
+    counts: list[int] = []
+
+    def measure(nbytes: int, count: int) -> float:
+        counts.append(count)
+        return nbytes * 1e-8  # 64 KB: 0.66 ms, growing fourfold a size
+
+    samples = _sizes(measure, target_s=0.25)
+    assert samples[-1][1] >= 0.25 and counts[0] == BACK_TO_BACK
+    assert counts == sorted(counts, reverse=True) and counts[-1] < BACK_TO_BACK
+    # each size's count from the size before it, four times as long a transfer
+    assert counts[1:] == [back_to_back(4 * t, 0.25) for _, t in samples[:-1]]
 
 
 def test_the_share_of_latency_hidden_follows_the_size_measured():

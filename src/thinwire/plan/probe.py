@@ -6,6 +6,13 @@ emulated cluster). Ranks ``h * ranks_per_host ...`` share host ``h``, as torchru
 them. What it measures, each the median of a few repeats over sizes that grow until a
 transfer takes long enough to time:
 
+Every timing is of a run of the same transfer back to back (up to :data:`BACK_TO_BACK`,
+fewer where one takes long), divided by their number: a run starts at a barrier, and
+ranks leave a barrier milliseconds apart on a loaded host, which one transfer timed alone
+would count as its latency (on the emulated 2 x 4 cluster at 1 Gbit/s a 256 KB
+all-reduce of four ranks took 13.0 ms timed alone after a barrier, 7.7 ms a piece back
+to back, as tensor parallelism issues them).
+
 * **between hosts, point to point** (the pipeline's messages): a message there and a
   4-byte reply back, as torch's pipelining sends them over gloo. gloo sends only after the
   receiver's "ready" note, so a round trip of ``S`` bytes takes ``3 L + S * beta``: the
@@ -47,6 +54,8 @@ GLOO_THREADS = 2
 #: message sizes start here and grow fourfold until a transfer takes ``target_s``
 FIRST_BYTES = 64 * 1024
 LARGEST_BYTES = 64 * 1024 * 1024
+#: the most transfers of one size timed back to back (one run of them a repeat)
+BACK_TO_BACK = 8
 
 
 @dataclass(frozen=True)
@@ -258,16 +267,27 @@ def gloo_threads(group: Any) -> int | None:
         return None
 
 
-def _sizes(measure: Callable[[int], float], target_s: float) -> list[tuple[float, float]]:
+def _sizes(measure: Callable[[int, int], float], target_s: float) -> list[tuple[float, float]]:
     """Measure growing sizes (three at least) until one takes ``target_s``; every rank gets
-    the same list (``measure`` returns a time all ranks agree on)."""
-    samples, nbytes = [], FIRST_BYTES
+    the same list (``measure(nbytes, count)`` times ``count`` transfers back to back and
+    returns the seconds of one, a time all ranks agree on)."""
+    samples, nbytes, seconds = [], FIRST_BYTES, 0.0
     while True:
-        seconds = measure(nbytes)
+        seconds = measure(nbytes, back_to_back(4 * seconds, target_s))
         samples.append((float(nbytes), seconds))
         if (seconds >= target_s and len(samples) >= 3) or nbytes * 4 > LARGEST_BYTES:
             return samples
         nbytes *= 4
+
+
+def back_to_back(expected_s: float, target_s: float) -> int:
+    """How many transfers expected to take ``expected_s`` each to time in a row: as many
+    as fit in ``target_s``, at least one, at most :data:`BACK_TO_BACK` (all of them when
+    nothing is known yet). Every rank passes the same agreed figures, so all issue the
+    same number."""
+    if expected_s <= 0:
+        return BACK_TO_BACK
+    return max(1, min(BACK_TO_BACK, int(target_s / expected_s)))
 
 
 def _agreed(value: float) -> float:
@@ -292,23 +312,26 @@ def _probe_p2p(
     peer = rank + ranks_per_host if sender else rank - ranks_per_host
     early: dict[int, float] = {}
 
-    def measure(nbytes: int) -> float:
+    def measure(nbytes: int, count: int) -> float:
         data, reply = torch.zeros(nbytes // 4), torch.zeros(1)
         trips, gaps = [], []
         for _ in range(repeats):
             dist.barrier()
             if sender:
                 start = time.perf_counter()
-                send = dist.isend(data, peer)
-                back = dist.irecv(reply, peer)
-                send.wait()
-                sent = time.perf_counter() - start
-                back.wait()
-                trips.append(time.perf_counter() - start)
-                gaps.append(trips[-1] - sent)
+                for _ in range(count):
+                    began = time.perf_counter()
+                    send = dist.isend(data, peer)
+                    back = dist.irecv(reply, peer)
+                    send.wait()
+                    sent = time.perf_counter() - began
+                    back.wait()
+                    gaps.append(time.perf_counter() - began - sent)
+                trips.append((time.perf_counter() - start) / count)
             elif receiver:
-                dist.recv(data, peer)
-                dist.send(reply, peer)
+                for _ in range(count):
+                    dist.recv(data, peer)
+                    dist.send(reply, peer)
         early[nbytes] = _agreed(statistics.median(gaps) if gaps else 0.0)
         return _agreed(statistics.median(trips) if trips else 0.0)
 
@@ -336,36 +359,45 @@ def _probe_allreduce(
     )
     size = len(groups[0])
 
-    def measure(nbytes: int) -> float:
+    def measure(nbytes: int, count: int) -> float:
         data = torch.zeros(nbytes // 4)
         times = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             if mine is not None:
-                dist.all_reduce(data, group=mine)
-            times.append(time.perf_counter() - start)
+                for _ in range(count):
+                    dist.all_reduce(data, group=mine)
+            times.append((time.perf_counter() - start) / count)
         return _agreed(statistics.median(times))
 
-    def measure_two(nbytes: int) -> float:
+    def measure_two(nbytes: int, count: int) -> float:
         first, second = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
         times = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             if mine is not None:
-                both = [dist.all_reduce(t, group=mine, async_op=True) for t in (first, second)]
-                for work in both:
-                    work.wait()
-            times.append(time.perf_counter() - start)
+                for _ in range(count):
+                    both = [dist.all_reduce(t, group=mine, async_op=True) for t in (first, second)]
+                    for work in both:
+                        work.wait()
+            times.append((time.perf_counter() - start) / count)
         return _agreed(statistics.median(times))
 
     samples = _sizes(measure, target_s)
     steps = 2 * (size - 1)
     alpha_total, beta = fit_line([(2 * (size - 1) / size * b, s) for b, s in samples])
     overlaps = tuple(
-        (b, latency_overlap(measure_two(int(b)), 2 * (size - 1) / size * b * beta, alpha_total))
-        for b, _ in samples
+        (
+            b,
+            latency_overlap(
+                measure_two(int(b), back_to_back(2 * s, target_s)),
+                2 * (size - 1) / size * b * beta,
+                alpha_total,
+            ),
+        )
+        for b, s in samples
     )
     for handle in handles:
         dist.destroy_process_group(handle)
