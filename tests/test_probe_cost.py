@@ -9,7 +9,13 @@ import pytest
 from thinwire.launch import run_local
 from thinwire.parallel.interleaved_program import held_in_turn
 from thinwire.plan.cost import BucketCost, MethodCost
-from thinwire.plan.hybrid_cost import Degrees, PlanOnLinks, StageCost, fitted_link, predict_plan
+from thinwire.plan.hybrid_cost import (
+    Degrees,
+    PlanOnLinks,
+    StageCost,
+    fitted_link,
+    predict_plan,
+)
 from thinwire.plan.network import Collective, collective_time
 from thinwire.plan.probe import (
     BACK_TO_BACK,
@@ -22,7 +28,9 @@ from thinwire.plan.probe import (
     hosts_of,
     run_probe,
 )
+from thinwire.plan.probe_sharing import in_turn_at, in_turn_share
 from thinwire.plan.schedule_sim import StageTimes, simulate
+from thinwire.plan.shared_links import in_turn_for, simulate_shared
 
 
 def _probe(hosts: int = 2, per_host: int = 4) -> LinkProbe:
@@ -107,6 +115,15 @@ def _probe_on_loopback(rank: int, world: int) -> dict:
             for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())
         ],
         "at_once": probe.collectives_at_once,
+        "in_turn": [
+            (
+                p.pairs,
+                [b for b, _ in p.in_turn],
+                [b for b, _ in p.samples],
+                [x for _, x in p.in_turn],
+            )
+            for p in probe.point_to_point
+        ],
     }
 
 
@@ -123,6 +140,10 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     # two at once measured at every size the fit measured
     assert all(sizes == measured and len(sizes) >= 3 for sizes, measured in first["per_size"])
     assert first["at_once"] == 2  # gloo's worker threads, read from the group
+    # both pairs sending at once: served in turn or side by side, at every size measured
+    (alone, _, _, none), (both, sizes, measured, shares) = first["in_turn"]
+    assert alone == 1 and none == [] and both == 2 and sizes == measured
+    assert all(0.0 <= share <= 1.0 for share in shares)
     # a rank 40 ms late out of the barrier: timed one transfer alone it would count all
     # 40 ms; back to back it is spread over BACK_TO_BACK (8) transfers
     assert first["skewed"] < 0.02
@@ -243,6 +264,48 @@ def test_pipeline_messages_cross_hosts_on_one_link_the_stage_ranks_share():
     # four pipelines on one link wait for each other's messages; one alone does not
     alone = simulate("1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message])
     assert times.step_s > alone.step_s + message.serialise_s
+
+
+def test_a_shared_link_is_simulated_as_served_in_turn_as_the_probe_found_it():
+    in_turn = replace(_probe().point_to_point[1], in_turn=((65536.0, 1.0), (4194304.0, 0.0)))
+    probe = replace(_probe(), point_to_point=(_probe().point_to_point[0], in_turn))
+    assert in_turn_for(probe, [65536, 65536]) == 1.0  # bursts queue one after another
+    assert in_turn_for(probe, [4194304]) == 0.0  # large ones interleave
+    assert in_turn_for(probe, [524288]) == pytest.approx(0.5)
+    assert in_turn_for(_probe(), [4194304]) == 1.0  # not measured: in turn, as before
+    degrees = Degrees(dp=2, pp=2, tp=2, microbatches=4)
+    links = PlanOnLinks(degrees, probe)
+    message, per_replica = links.message(0, 4194304)
+    step = dict(schedule="1f1b", microbatches=4, stages=[StageTimes(0.1, 0.2)] * 2,
+                forward=[message], backward=[message], replicas=4, links=[per_replica])  # fmt: skip
+    fluid, fifo = simulate(**step, sharing="fluid"), simulate(**step, sharing="fifo")
+    assert fluid.step_s > fifo.step_s  # in step, every pipeline waits for all four
+    assert simulate_shared(0.0, **step) == fluid and simulate_shared(1.0, **step) == fifo
+    between = simulate_shared(0.25, **step)
+    assert between.step_s == pytest.approx(0.25 * fifo.step_s + 0.75 * fluid.step_s)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        simulate_shared(1.5, **step)
+    for nbytes, expected in ((4194304, fluid), (65536, None)):
+        stages = [StageCost(0.1, 0.2, activation_bytes=nbytes)] * 2
+        if expected is None:
+            message, per_replica = links.message(0, nbytes)
+            expected = simulate(**{**step, "forward": [message], "backward": [message]})
+        assert predict_plan(degrees, stages, probe).pipeline_s == pytest.approx(expected.step_s)
+
+
+def test_the_share_served_in_turn_comes_from_when_messages_sent_together_arrive():
+    assert in_turn_share([0.25, 0.5, 0.75, 1.0]) == pytest.approx(1.0)  # one after another
+    assert in_turn_share([1.0, 1.0, 1.0, 1.0]) == pytest.approx(0.0)  # together
+    assert in_turn_share([0.6, 1.0]) == pytest.approx(0.8)
+    assert in_turn_share([0.1, 1.0]) == 1.0  # clamped
+    with pytest.raises(ValueError, match="two messages"):
+        in_turn_share([1.0])
+    with pytest.raises(ValueError, match="not all 0"):
+        in_turn_share([0.0, 0.0])
+    shares = ((65536.0, 1.0), (1048576.0, 0.0))
+    assert in_turn_at(shares, 1024) == 1.0 and in_turn_at(shares, 1 << 30) == 0.0
+    assert in_turn_at(shares, 262144) == pytest.approx(0.5)  # half-way in the logarithm
+    assert in_turn_at((), 262144) is None
 
 
 def test_pipeline_messages_within_a_host_each_have_their_own_link():

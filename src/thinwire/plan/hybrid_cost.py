@@ -34,7 +34,8 @@ from thinwire.plan.cost import MethodCost, round_exchange_s
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
 from thinwire.plan.plan_traffic import rank_at
 from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
-from thinwire.plan.schedule_sim import Message, StageTimes, simulate
+from thinwire.plan.schedule_sim import Message, StageTimes
+from thinwire.plan.shared_links import in_turn_for, simulate_shared
 from thinwire.plan.turns import TurnPass, in_turns_s
 
 
@@ -396,12 +397,13 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     sharing = largest_sharing_group(
         len(links.replicas()), [per_replica for _, per_replica in crossings]
     )
-    pipeline = simulate(
-        degrees.schedule,
-        degrees.microbatches,
-        times,
-        messages,
-        messages,
+    pipeline = simulate_shared(
+        in_turn_for(probe, [s.activation_bytes for s in stages[:-1]]),
+        schedule=degrees.schedule,
+        microbatches=degrees.microbatches,
+        stages=times,
+        forward=messages,
+        backward=messages,
         replicas=len(sharing),
         links=[[per_replica[r] for r in sharing] for _, per_replica in crossings],
     )

@@ -19,7 +19,9 @@ to back, as tensor parallelism issues them).
   line through the sizes gives the one-way latency ``L`` and ``beta`` (seconds per byte).
   How much earlier the send completes than the round trip says how much of a message the
   sender's socket buffer takes. Once with one pair, once with every rank of host 0 sending
-  to its counterpart on host 1 at once (how the host's link is shared).
+  to its counterpart on host 1 at once (how the host's link is shared), and then whether
+  messages sent together are served in turn or side by side
+  (:mod:`thinwire.plan.probe_sharing`).
 * **all-reduce within a host**, for every group size dividing ``ranks_per_host`` (all of
   a host's groups at once, as tensor parallelism runs them), and **between hosts** (one
   rank per host; alone, and all local ranks' groups at once): ``2 (n - 1)`` ring steps of
@@ -47,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from thinwire.plan.probe_sharing import probe_sharing
 
 #: collectives a gloo process group runs at once: one per worker thread, two unless its
 #: options say otherwise (PyTorch's default; probes from before thinwire read it assume it)
@@ -105,6 +109,10 @@ class PointToPoint:
     buffer_bytes: float
     pairs: int
     samples: tuple[tuple[float, float], ...] = ()
+    in_turn: tuple[tuple[float, float], ...] = ()
+    """(bytes, share of the link served in turn) with ``pairs`` messages sent at once
+    (:mod:`thinwire.plan.probe_sharing`); empty for one pair, or in a probe from before
+    thinwire measured it."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,7 @@ def _p2p(raw: dict[str, Any]) -> PointToPoint:
         float(raw["buffer_bytes"]),
         int(raw["pairs"]),
         _pairs(raw.get("samples", ())),
+        _pairs(raw.get("in_turn", ())),
     )
 
 
@@ -340,7 +349,13 @@ def _probe_p2p(
     latency = intercept / 3
     largest = samples[-1][0]
     buffered_s = max(0.0, early[int(largest)] - 2 * latency)
-    return PointToPoint(latency, beta, min(largest, buffered_s / beta), pairs, tuple(samples))
+    in_turn = (
+        probe_sharing(rank, ranks_per_host, pairs, [b for b, _ in samples], repeats)
+        if pairs > 1
+        else ()
+    )
+    buffer_bytes = min(largest, buffered_s / beta)
+    return PointToPoint(latency, beta, buffer_bytes, pairs, tuple(samples), in_turn)
 
 
 def _probe_allreduce(
