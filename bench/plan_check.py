@@ -143,7 +143,8 @@ def markdown(summary: dict) -> str:
     ]
     for r in summary["rows"]:
         lines.append(
-            f"| {r['place']} | {r['plan']} | {r['predicted_s']:.2f} | {r['measured_s']:.2f} | "
+            f"| {r['place']} | {r['plan']} | {r['predicted_s']:.2f} | {r['measured_s']:.2f}"
+            f"{_runs(r)} | "
             f"{r['error']:+.0%} | {r['predicted_peak_bytes'] / 2**20:.0f} / "
             f"{r['measured_peak_bytes'] / 2**20:.0f} |"
         )
@@ -174,6 +175,12 @@ def markdown(summary: dict) -> str:
             f"{', '.join(limit['wrong']) or 'none'}"
         )
     return "\n".join(lines)
+
+
+def _runs(row: dict) -> str:
+    """`` (median of N runs)`` for a plan measured more than once, else nothing."""
+    runs = row.get("runs", 1)
+    return f" (median of {runs} runs)" if runs > 1 else ""
 
 
 def main() -> None:

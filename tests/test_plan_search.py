@@ -261,6 +261,12 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
     assert summary["spearman"] == pytest.approx(0.5)
     assert summary["max_abs_peak_error"] == pytest.approx(0.2)
     assert "chosen 4x2x1/mb8/gpipe" in plan_check.markdown(summary)
+    assert "| 10.00 (median of 3 runs) |" in plan_check.markdown(summary)
+    # predicted against measured, the choice ringed: a PNG
+    plot = _bench_script("plan_check_plot").plot([("bed", summary)], tmp_path / "check.png")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="nothing to plot"):
+        _bench_script("plan_check_plot").plot([], tmp_path / "none.png")
     # the step split as the model splits it, where the run noted its exchange and optimizer
     split = summary["rows"][0]["parts"]
     # along the critical path: the last compute ends at 2.0, the last exchange at 2.4, and
