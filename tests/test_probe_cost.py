@@ -22,10 +22,10 @@ from thinwire.plan.probe import (
     Fit,
     LinkProbe,
     PointToPoint,
-    _sizes,
     back_to_back,
     fit_line,
     hosts_of,
+    measured_sizes,
     run_probe,
 )
 from thinwire.plan.probe_sharing import in_turn_at, in_turn_share
@@ -160,7 +160,7 @@ def test_transfers_are_timed_back_to_back_fewer_as_they_grow():
         counts.append(count)
         return nbytes * 1e-8  # 64 KB: 0.66 ms, growing fourfold a size
 
-    samples = _sizes(measure, target_s=0.25)
+    samples = measured_sizes(measure, target_s=0.25)
     assert samples[-1][1] >= 0.25 and counts[0] == BACK_TO_BACK
     assert counts == sorted(counts, reverse=True) and counts[-1] < BACK_TO_BACK
     # each size's count from the size before it, four times as long a transfer

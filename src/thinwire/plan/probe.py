@@ -276,7 +276,9 @@ def gloo_threads(group: Any) -> int | None:
         return None
 
 
-def _sizes(measure: Callable[[int, int], float], target_s: float) -> list[tuple[float, float]]:
+def measured_sizes(
+    measure: Callable[[int, int], float], target_s: float
+) -> list[tuple[float, float]]:
     """Measure growing sizes (three at least) until one takes ``target_s``; every rank gets
     the same list (``measure(nbytes, count)`` times ``count`` transfers back to back and
     returns the seconds of one, a time all ranks agree on)."""
@@ -344,7 +346,7 @@ def _probe_p2p(
         early[nbytes] = _agreed(statistics.median(gaps) if gaps else 0.0)
         return _agreed(statistics.median(trips) if trips else 0.0)
 
-    samples = _sizes(measure, target_s)
+    samples = measured_sizes(measure, target_s)
     intercept, beta = fit_line(samples)
     latency = intercept / 3
     largest = samples[-1][0]
@@ -400,7 +402,7 @@ def _probe_allreduce(
             times.append((time.perf_counter() - start) / count)
         return _agreed(statistics.median(times))
 
-    samples = _sizes(measure, target_s)
+    samples = measured_sizes(measure, target_s)
     steps = 2 * (size - 1)
     alpha_total, beta = fit_line([(2 * (size - 1) / size * b, s) for b, s in samples])
     overlaps = tuple(

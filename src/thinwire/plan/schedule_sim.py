@@ -181,9 +181,10 @@ def simulate(
     (the data- and tensor-parallel ranks of a plan); ``links[b][r]`` names the link replica
     ``r`` crosses boundary ``b`` on: replicas on the same link share it (``serialise_s`` is
     a message's time with the link to itself). By default each has its own. ``sharing``:
-    ``"fifo"`` (one message at a time, in arrival order: the default, closer on the 27
-    sweep runs of docs/measurements.md) or ``"fluid"`` (the messages on a link progress
-    together, each at its share: :mod:`thinwire.plan.fluid_wire`)."""
+    ``"fifo"`` (one message at a time, in arrival order: the default) or ``"fluid"`` (the
+    messages on a link progress together, each at its share:
+    :mod:`thinwire.plan.fluid_wire`); the planner weighs the two by how the probe found
+    the link serving messages sent together (:mod:`thinwire.plan.shared_links`)."""
     if schedule not in SIMULATED_SCHEDULES:
         raise ValueError(
             f"the planner simulates the schedules {', '.join(SIMULATED_SCHEDULES)}, not "
