@@ -28,7 +28,7 @@ from thinwire.plan.probe import (
     measured_sizes,
     run_probe,
 )
-from thinwire.plan.probe_sharing import in_turn_at, in_turn_share
+from thinwire.plan.probe_sharing import in_turn_share, share_at
 from thinwire.plan.schedule_sim import StageTimes, simulate
 from thinwire.plan.shared_links import in_turn_for, simulate_shared
 
@@ -303,9 +303,9 @@ def test_the_share_served_in_turn_comes_from_when_messages_sent_together_arrive(
     with pytest.raises(ValueError, match="not all 0"):
         in_turn_share([0.0, 0.0])
     shares = ((65536.0, 1.0), (1048576.0, 0.0))
-    assert in_turn_at(shares, 1024) == 1.0 and in_turn_at(shares, 1 << 30) == 0.0
-    assert in_turn_at(shares, 262144) == pytest.approx(0.5)  # half-way in the logarithm
-    assert in_turn_at((), 262144) is None
+    assert share_at(shares, 1024) == 1.0 and share_at(shares, 1 << 30) == 0.0
+    assert share_at(shares, 262144) == pytest.approx(0.5)  # half-way in the logarithm
+    assert share_at((), 262144) is None
 
 
 def test_pipeline_messages_within_a_host_each_have_their_own_link():

@@ -40,9 +40,7 @@ to back, as tensor parallelism issues them).
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thinwire.plan.probe_sharing import probe_sharing
+from thinwire.plan.probe_sharing import probe_sharing, share_at
 
 #: collectives a gloo process group runs at once: one per worker thread, two unless its
 #: options say otherwise (PyTorch's default; probes from before thinwire read it assume it)
@@ -82,16 +80,8 @@ class Fit:
     def overlap_at(self, nbytes: float) -> float:
         """The share of latency hidden at ``nbytes``: between the two sizes measured on
         either side (linear in the size's logarithm), the nearest one's outside them."""
-        if not self.overlaps:
-            return self.overlap
-        points = sorted(self.overlaps)
-        if nbytes <= points[0][0]:
-            return points[0][1]
-        for (low, low_share), (high, high_share) in itertools.pairwise(points):
-            if nbytes <= high:
-                along = math.log(nbytes / low) / math.log(high / low)
-                return low_share + along * (high_share - low_share)
-        return points[-1][1]
+        found = share_at(self.overlaps, nbytes)
+        return self.overlap if found is None else found
 
     @property
     def bandwidth_bps(self) -> float:

@@ -34,10 +34,11 @@ def in_turn_share(arrivals_s: Sequence[float]) -> float:
     return min(1.0, max(0.0, (last - first) / (last * (1 - 1 / k))))
 
 
-def in_turn_at(shares: Sequence[tuple[float, float]], nbytes: float) -> float | None:
-    """The share served in turn at ``nbytes`` from (bytes, share) measured at some sizes:
-    between two sizes linear in the logarithm, the nearest one's outside them; ``None``
-    where nothing was measured (a probe from before thinwire measured it)."""
+def share_at(shares: Sequence[tuple[float, float]], nbytes: float) -> float | None:
+    """A share (served in turn; of latency hidden) at ``nbytes`` from (bytes, share)
+    measured at some sizes: between two sizes linear in the logarithm, the nearest one's
+    outside them; ``None`` where nothing was measured (a probe from before thinwire
+    measured it)."""
     if not shares:
         return None
     points = sorted(shares)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from thinwire.plan.probe import LinkProbe
-from thinwire.plan.probe_sharing import in_turn_at
+from thinwire.plan.probe_sharing import share_at
 from thinwire.plan.schedule_sim import PipelineTimes, simulate
 
 #: a share this close to 0 or 1 is simulated one way only
@@ -27,7 +27,7 @@ def in_turn_for(probe: LinkProbe, nbytes: Sequence[float]) -> float:
     from the probe's link with the most pairs; 1 (in turn, as the planner took it before
     the probe measured it) where the probe has no figure."""
     shared = max(probe.point_to_point, key=lambda p: p.pairs, default=None)
-    shares = [in_turn_at(shared.in_turn, b) for b in nbytes] if shared else []
+    shares = [share_at(shared.in_turn, b) for b in nbytes] if shared else []
     known = [share for share in shares if share is not None]
     return sum(known) / len(known) if known else 1.0
 
