@@ -6,13 +6,6 @@ emulated cluster). Ranks ``h * ranks_per_host ...`` share host ``h``, as torchru
 them. What it measures, each the median of a few repeats over sizes that grow until a
 transfer takes long enough to time:
 
-Every timing is of a run of the same transfer back to back (up to :data:`BACK_TO_BACK`,
-fewer where one takes long), divided by their number: a run starts at a barrier, and
-ranks leave a barrier milliseconds apart on a loaded host, which one transfer timed alone
-would count as its latency (on the emulated 2 x 4 cluster at 1 Gbit/s a 256 KB
-all-reduce of four ranks took 13.0 ms timed alone after a barrier, 7.7 ms a piece back
-to back, as tensor parallelism issues them).
-
 * **between hosts, point to point** (the pipeline's messages): a message there and a
   4-byte reply back, as torch's pipelining sends them over gloo. gloo sends only after the
   receiver's "ready" note, so a round trip of ``S`` bytes takes ``3 L + S * beta``: the
@@ -33,6 +26,13 @@ to back, as tensor parallelism issues them).
 * **the CPU's sharing**: one optimizer-sized job on one rank alone, then on every rank at
   once. On GPUs the optimizer runs on the accelerator; on a host whose ranks share cores
   (the emulated cluster) its CPU work slows by this factor.
+
+Every timing is of a run of the same transfer back to back (up to :data:`BACK_TO_BACK`,
+fewer where one takes long), divided by their number: a run starts at a barrier, and
+ranks leave a barrier milliseconds apart on a loaded host, which one transfer timed alone
+would count as its latency (on the emulated 2 x 4 cluster at 1 Gbit/s a 256 KB
+all-reduce of four ranks took 13.0 ms timed alone after a barrier, 7.7 ms a piece back
+to back, as tensor parallelism issues them).
 
 :class:`LinkProbe` holds the fits (and the raw samples) and saves to JSON;
 :mod:`thinwire.plan.hybrid_cost` turns them into the planner's links.

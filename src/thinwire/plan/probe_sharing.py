@@ -6,13 +6,14 @@ the barrier to its arrival. Where each message leaves as one burst (the sender's
 buffer takes it whole) the link's queue serves the bursts one after another: with ``k``
 pairs the first arrives after ``1 / k`` of the time the last takes. Where a message is
 larger than the sender's buffer it leaves as acknowledgements come back, the flows
-interleave, and all arrive together. The share measured per size,
+interleave, and all arrive together (that is the mechanism expected; what the probe
+reports is only what it measured). The share measured per size,
 
     in_turn = (last - first) / (last * (1 - 1 / k)),
 
 is 1 for the first (the pipelines crossing the link drift apart: the planner simulates
 the link first in first out) and 0 for the second (they keep step, each at its share:
-a fluid link); :func:`thinwire.plan.hybrid_cost.link_sharing` reads it.
+a fluid link); :mod:`thinwire.plan.shared_links` weighs the two by it.
 """
 
 from __future__ import annotations
