@@ -179,8 +179,7 @@ def markdown(summary: dict) -> str:
 
 def _runs(row: dict) -> str:
     """`` (median of N runs)`` for a plan measured more than once, else nothing."""
-    runs = row.get("runs", 1)
-    return f" (median of {runs} runs)" if runs > 1 else ""
+    return f" (median of {row['runs']} runs)" if row["runs"] > 1 else ""
 
 
 def main() -> None:
