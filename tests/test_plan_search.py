@@ -134,6 +134,41 @@ def test_search_ranks_every_plan_and_the_memory_limit_rejects_those_over_it(tiny
         _ = search(costs, probe, peaks[0] // 2, SPACE).chosen
 
 
+def test_dense_data_parallelism_is_profiled_through_the_engine_the_trainer_runs(tiny):
+    """A hybrid plan's dense ``dp`` exchange runs thinwire's engine (``none``: the
+    gradients copied into a bucket, all-reduced, averaged and copied back), not DDP's
+    hook: the profile times those copies, where DDP's costing has none."""
+    _, _, costs, _ = tiny
+    dense = [parts for (_, _, label), parts in costs.exchange.items() if label == "dense"]
+    assert dense
+    for parts in dense:
+        for part in parts:
+            (bucket,) = part.cost.buckets
+            assert bucket.compress_s > 0
+            assert [c.kind for c in bucket.collectives] == ["allreduce"]
+            assert bucket.collectives[0].nbytes == 4 * bucket.numel
+
+
+def test_a_stage_steps_its_optimizer_on_what_its_exchange_writes(tiny):
+    """Under data parallelism a stage's optimizer step is the one timed on the gradients
+    its method's exchange wrote (per part); alone, the compute profile's."""
+    _, _, costs, _ = tiny
+    (tp, dp, _), parts = next(
+        (key, parts) for key, parts in costs.exchange.items() if key[2] == "dense"
+    )
+    size = min(s for t, s in costs.compute if t == tp)
+    kept = range(0, 2)
+    stage = costs.stage(tp, size, dp, ("dense", {}), kept, first=True, last=False)
+    expected = parts[0].optimizer_s + sum(parts[1 + i].optimizer_s for i in kept)
+    assert all(p.optimizer_s is not None and p.optimizer_s > 0 for p in parts)
+    assert stage.optimizer_s == pytest.approx(expected)
+    alone = costs.stage(tp, size, 1, ("dense", {}), kept, first=True, last=False)
+    blocks = costs.compute[(tp, size)]
+    profiled = blocks.first.optimizer_s + sum(blocks.blocks[i].optimizer_s for i in kept)
+    assert alone.optimizer_s == pytest.approx(profiled)
+    assert alone.optimizer_s != pytest.approx(expected)  # two timings, not one reused
+
+
 def test_the_reported_bandwidth_is_where_another_plan_starts_winning(tiny):
     probe, result, _, _ = tiny
     changes = choice_changes(result, probe)

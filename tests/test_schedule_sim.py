@@ -147,3 +147,17 @@ def test_on_a_fluid_link_messages_share_the_bandwidth_and_finish_together():
     assert fluid.step_s == pytest.approx(7.0)
     with pytest.raises(ValueError, match="fluid"):
         simulate("gpipe", 1, stages, link, link, sharing="fair")
+
+
+@pytest.mark.parametrize("sharing", ["fifo", "fluid"])
+def test_a_host_sends_forward_and_backward_through_one_uplink(sharing):
+    """Interleaved 1F1B over four hosts: each host sends activations to the next host and
+    gradients to the one before, both through its uplink, so links named by their two
+    hosts queue them together, where a link per pair of hosts and way would not."""
+    stages = [StageTimes(0.2, 0.4)] * 8
+    link = [Message(1.0)] * 7
+    hosts = [[(s % 4, (s + 1) % 4)] for s in range(7)]
+    pairs = [[f"{s % 4}-{(s + 1) % 4}"] for s in range(7)]  # a queue per pair of ranks
+    shared = simulate("interleaved-1f1b", 8, stages, link, link, links=hosts, sharing=sharing)
+    apart = simulate("interleaved-1f1b", 8, stages, link, link, links=pairs, sharing=sharing)
+    assert shared.step_s > apart.step_s + 5  # messages each way wait for the other way's

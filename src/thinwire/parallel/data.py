@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from thinwire.data_parallel.local_methods import ROUND_METHODS, build_rounds
 from thinwire.data_parallel.local_steps import DiLoCo
 from thinwire.data_parallel.optimizer import DistributedOptimizer
-from thinwire.parallel.plan import DENSE, ParallelPlan
+from thinwire.parallel.plan import ParallelPlan, engine_compressor
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -81,11 +81,10 @@ def apply_data_parallel(
             broadcast_parameters=False,
             **engine_options,
         )
-    method = "none" if plan.dp_method == DENSE else plan.dp_method
     return DistributedOptimizer(
         optimizer,
         list(named_parameters),
-        method,
+        engine_compressor(plan.dp_method),
         group=mesh.get_group(),
         broadcast_parameters=False,
         **engine_options,

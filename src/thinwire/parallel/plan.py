@@ -29,6 +29,12 @@ CHUNKS_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "shifted-1f1b":
 DENSE = "dense"
 
 
+def engine_compressor(dp_method: str) -> str:
+    """The thinwire compressor a ``dp`` group runs for ``dp_method`` (``"dense"``: the
+    engine's ``"none"``, an all-reduce of each bucket; the planner profiles the same)."""
+    return "none" if dp_method == DENSE else dp_method
+
+
 def _check_degree(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -31,12 +31,15 @@ def ends(key: _Wired, ranks: int = 0) -> tuple[int, int]:
 
 
 def way(name: Hashable, sender: int, receiver: int, along: bool) -> Hashable:
-    """One direction of link ``name`` (``along``: the way its boundary's forward messages
-    go). A pair of hosts ``(a, b)``, as the planner names a link between two hosts, is one
-    way per direction whatever ranks and boundaries use it (interleaved 1F1B crosses the
-    same hosts at several boundaries); any other name is one way per pair of ranks."""
+    """What a message on link ``name`` queues for (``along``: the way its boundary's
+    forward messages go). A pair of hosts ``(a, b)``, as the planner names a link between
+    two hosts, is the sending host's uplink, whatever ranks, boundaries and destinations
+    use it: interleaved 1F1B crosses the same hosts at several boundaries, and a pipeline
+    over more than two hosts sends forward to one host and backward to another through the
+    same uplink (the emulated cluster's ``tbf``; the receiving host's downlink, limited
+    too, is not modelled). Any other name is one way per pair of ranks."""
     if isinstance(name, tuple) and len(name) == 2:
-        return name if along else (name[1], name[0])
+        return ("uplink", name[0] if along else name[1])
     return (name, sender, receiver)
 
 

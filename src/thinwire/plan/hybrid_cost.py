@@ -10,7 +10,7 @@ LinkProbe`). Nothing is fitted to the step times it predicts. A step, as
    backward on every stage, each with its tensor-parallel all-reduces on the link the
    ``"tp"`` group spans (the probe's all-reduce fit for that group size), and the
    activations and their gradients between stages as gloo sends them (the probe's
-   point-to-point fit, its bandwidth shared by the ranks of a host that cross at once).
+   point-to-point fit; what leaves a host at once shares its uplink).
 2. **The data-parallel exchange**, per stage once its pipeline work is done: the
    strategy's buckets (:class:`thinwire.plan.cost.MethodCost`, measured through the real
    engine) on the link the ``"dp"`` group spans, shared by the groups of a host that cross
@@ -301,8 +301,9 @@ class PlanOnLinks:
 
     def message(self, boundary: int, nbytes: int) -> tuple[Message, list[object]]:
         """One micro-batch's message across ``boundary`` (stage ``b`` to ``b + 1``), with
-        the link it has to itself, and per replica the link it crosses on: the pairs
-        between the same two hosts share theirs; within a host each pair has its own."""
+        the link it has to itself, and per replica the link it crosses on, named by its two
+        hosts (what leaves one host shares its uplink: :func:`thinwire.plan.fluid_wire.way`);
+        within a host each pair of ranks has its own."""
         d = self.degrees  # stage s on pipeline rank s % pp (two stages a rank: interleaved)
         ends = [
             (

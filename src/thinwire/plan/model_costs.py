@@ -52,6 +52,10 @@ class PartExchange:
 
     cost: MethodCost
     state_bytes: int
+    optimizer_s: float | None = None
+    """The optimizer step over the part once the exchange has written its gradients
+    (:mod:`thinwire.plan.optimizer_profile`; ``None``: a method whose averaging is not
+    a gradient exchange, DiLoCo's, and the compute profile's dense-gradient step)."""
 
 
 @dataclass
@@ -106,10 +110,15 @@ class ModelCosts:
         exchanges = self.exchange[(tp, dp, method_label(method))]
         chosen = [*([exchanges[0]] if first else []), *(exchanges[1 + i] for i in blocks)]
         chosen += [exchanges[-1]] if last else []
+        stepped = [e.optimizer_s for e in chosen]
+        optimizer_s = cost.optimizer_s  # the compute profile's, on dense gradients
+        if None not in stepped:
+            optimizer_s = sum(s for s in stepped if s is not None)
         return replace(
             cost,
             dp_cost=rebucketed([e.cost for e in chosen]),
             exchange_bytes=sum(e.state_bytes for e in chosen),
+            optimizer_s=optimizer_s,
         )
 
 
@@ -157,13 +166,21 @@ def _part_shapes(parts: BlockProfiles) -> list[tuple[tuple[int, ...], ...]]:
     return [parts.first.parameter_shapes, *inner, parts.last.parameter_shapes]
 
 
-def _measure_exchanges(
-    parts: BlockProfiles, dp: int, method: Method, repeats: int
-) -> tuple[PartExchange, ...]:
+def measure_exchanges(
+    parts: BlockProfiles, dp: int, method: Method, repeats: int, optimizer: str = "adamw",
+    optimizer_repeats: int = 3,
+) -> tuple[PartExchange, ...]:  # fmt: skip
+    """Each part's exchange under ``dp``-way data parallelism with ``method`` (first, each
+    block, last), measured through what the trainer runs for it, one bucket a part, and
+    ``optimizer``'s step on the gradients that exchange writes."""
+    from thinwire.data_parallel.local_methods import ROUND_METHODS
+    from thinwire.parallel.plan import engine_compressor
     from thinwire.plan.memory import exchange_state_bytes
+    from thinwire.plan.optimizer_profile import exchanged_gradients, optimizer_step_s
     from thinwire.plan.profile_method import measure_method
 
     name, options = method
+    name = engine_compressor(name)  # what the trainer's engine runs, copies included
     measured: dict[tuple, PartExchange] = {}
     result = []
     for shapes in _part_shapes(parts):
@@ -174,7 +191,11 @@ def _measure_exchanges(
                 bucket_cap_mb=ONE_BUCKET_MB,
             )  # fmt: skip
             state = exchange_state_bytes(name, params, world_size=dp, options=dict(options))
-            measured[shapes] = PartExchange(cost, state)
+            stepped = None
+            if name not in ROUND_METHODS and shapes:
+                given = exchanged_gradients(name, dict(options), shapes, dp)
+                stepped, _ = optimizer_step_s(optimizer, shapes, optimizer_repeats, given)
+            measured[shapes] = PartExchange(cost, state, stepped)
         result.append(measured[shapes])
     return tuple(result)
 
@@ -213,7 +234,9 @@ def _profile_tp(
             costs.compute[(tp, size)] = block_profiles(sized, plan, repeats, optimizer)
     parts = costs.compute[(tp, max(sizes))]
     for dp, method in exchanges:
-        costs.exchange[(tp, dp, method_label(method))] = _measure_exchanges(parts, dp, method, 1)
+        costs.exchange[(tp, dp, method_label(method))] = measure_exchanges(
+            parts, dp, method, 1, optimizer
+        )
     return costs
 
 
@@ -277,7 +300,7 @@ def _profile_many(
 
 
 #: bump when what a profile holds changes (older caches are profiled again)
-_FORMAT = 2
+_FORMAT = 4
 
 
 def _cached(cache: Path | None, key: str) -> ModelCosts | None:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from thinwire.plan.optimizer_profile import optimizer_step_s
+
 #: the collectives a stage may issue (functional ones from DTensor, c10d's from plain calls)
 ALL_REDUCES = ("_c10d_functional.all_reduce.default", "c10d.allreduce_.default")
 
@@ -357,7 +359,7 @@ def profile_stage(
     assert output is not None
     shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
     dp_cost = _dp_cost(plan, shapes)
-    optimizer_s, optimizer_state = _optimizer_step(optimizer, shapes, repeats)
+    optimizer_s, optimizer_state = optimizer_step_s(optimizer, shapes, repeats)
     return StageProfile(
         index,
         _median_pass(forwards[1:]),
@@ -398,43 +400,19 @@ def _exchange_bytes(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> int:
 
 
 def _dp_cost(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
+    from thinwire.parallel.plan import engine_compressor
     from thinwire.plan.profile_method import measure_method
 
     if plan.dp == 1:
         return None
     params = [(f"p{i}", torch.randn(shape)) for i, shape in enumerate(shapes)]
     return measure_method(
-        plan.dp_method, params, world_size=plan.dp, options=plan.dp_options, repeats=1
+        engine_compressor(plan.dp_method),
+        params,
+        world_size=plan.dp,
+        options=plan.dp_options,
+        repeats=1,
     )
-
-
-#: the optimizers the profiler times, by the names ``thinwire bench --optimizer`` takes
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-
-
-def _optimizer_step(
-    optimizer: str, shapes: tuple[tuple[int, ...], ...], repeats: int
-) -> tuple[float, int]:
-    """The optimizer step's median seconds over shards of ``shapes``, and its state's bytes."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"the profiler times {', '.join(OPTIMIZERS)}, not {optimizer!r}")
-    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    options = {"momentum": 0.9} if optimizer == "sgd" else {}
-    step = OPTIMIZERS[optimizer](params, lr=1e-3, **options)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        step.step()
-        times.append(time.perf_counter() - start)
-    state = sum(
-        v.numel() * v.element_size()
-        for per_param in step.state.values()
-        for v in per_param.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return statistics.median(times[1:]), state
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
