@@ -191,8 +191,8 @@ def measure_exchanges(
                 bucket_cap_mb=ONE_BUCKET_MB,
             )  # fmt: skip
             state = exchange_state_bytes(name, params, world_size=dp, options=dict(options))
-            stepped = None
-            if name not in ROUND_METHODS and shapes:
+            stepped = None if name in ROUND_METHODS else 0.0  # no parameters: no step
+            if stepped is not None and shapes:
                 given = exchanged_gradients(name, dict(options), shapes, dp)
                 stepped, _ = optimizer_step_s(optimizer, shapes, optimizer_repeats, given)
             measured[shapes] = PartExchange(cost, state, stepped)
