@@ -59,7 +59,7 @@ def plot(checks: list[tuple[str, dict]], out: Path) -> Path:
     axes.set_xscale("log")
     axes.set_yscale("log")
     axes.set_xlabel("measured step, s (emulated hosts, virtual accelerators)")
-    axes.set_ylabel("predicted step, s (planner, before the runs)")
+    axes.set_ylabel("predicted step, s (planner)")
     axes.set_title("The planner against the runs (ringed: its choice)")
     axes.legend(fontsize=7, loc="upper left")
     figure.tight_layout()

@@ -14,6 +14,7 @@ from thinwire.plan.hybrid_cost import (
     PlanOnLinks,
     StageCost,
     fitted_link,
+    largest_sharing_group,
     predict_plan,
 )
 from thinwire.plan.network import Collective, collective_time
@@ -370,3 +371,13 @@ def test_interleaved_plans_fold_two_stages_onto_each_rank():
     assert predicted.data_parallel_s == pytest.approx(2 * one_exchange)
     with pytest.raises(ValueError, match=r"a cost per stage \(4\)"):
         predict_plan(degrees, stages[:2], probe)
+
+
+def test_replicas_that_share_a_hosts_uplink_are_simulated_together():
+    """Two pipelines leaving host 0 for different hosts queue at its uplink, and two whose
+    gradients and activations both leave host 1 at its: one group each time; pipelines on
+    hosts of their own stay apart."""
+    assert largest_sharing_group(2, [[(0, 1), (0, 2)]]) == [0, 1]
+    assert largest_sharing_group(2, [[(1, 0), (2, 1)]]) == [0, 1]  # host 1 sends either way
+    assert len(largest_sharing_group(2, [[(0, 1), (2, 3)]])) == 1
+    assert len(largest_sharing_group(3, [["a", "b", "c"], ["a", "b", "c"]])) == 1

@@ -31,6 +31,7 @@ from typing import TypeVar
 from thinwire.parallel.interleaved_program import held_in_turn
 from thinwire.parallel.plan import CHUNKS_PER_RANK
 from thinwire.plan.cost import MethodCost, round_exchange_s
+from thinwire.plan.fluid_wire import way
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
 from thinwire.plan.plan_traffic import rank_at
 from thinwire.plan.probe import Fit, LinkProbe, PointToPoint
@@ -350,9 +351,11 @@ class PlanOnLinks:
 
 def largest_sharing_group(replicas: int, links: Sequence[Sequence[object]]) -> list[int]:
     """The largest set of replicas that share links, directly or through each other
-    (``links[b][r]``: the link replica ``r`` crosses boundary ``b`` on). Other sets run the
-    same schedule on links of their own, so simulating one tells the step of all: a
-    1024-rank plan simulates a few pipelines, not hundreds."""
+    (``links[b][r]``: the link replica ``r`` crosses boundary ``b`` on; two share it where
+    their messages, either way, queue for the same thing at any boundary, as
+    :func:`~thinwire.plan.fluid_wire.way` says: a host's uplink). Other sets run the same
+    schedule on links of their own, so simulating one tells the step of all: a 1024-rank
+    plan simulates a few pipelines, not hundreds."""
     parent = list(range(replicas))
 
     def root(r: int) -> int:
@@ -361,13 +364,14 @@ def largest_sharing_group(replicas: int, links: Sequence[Sequence[object]]) -> l
             r = parent[r]
         return r
 
+    first: dict[object, int] = {}  # each queue's first replica
     for per_replica in links:
-        first: dict[object, int] = {}
         for replica, link in enumerate(per_replica):
-            if link in first:
-                parent[root(replica)] = root(first[link])
-            else:
-                first[link] = replica
+            for queue in {way(link, 0, 0, True), way(link, 0, 0, False)}:
+                if queue in first:
+                    parent[root(replica)] = root(first[queue])
+                else:
+                    first[queue] = replica
     groups: dict[int, list[int]] = {}
     for replica in range(replicas):
         groups.setdefault(root(replica), []).append(replica)

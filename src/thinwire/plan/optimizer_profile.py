@@ -4,14 +4,13 @@ What an optimizer step costs can depend on the values it is given, not only thei
 On this project's test machine (an AMD EPYC core, PyTorch's AVX-512 kernels) ``sqrt`` of
 a zero runs 4.6 times slower than of a positive number, and Adam takes the square root of
 its second moment, which stays exactly zero wherever no gradient has yet arrived. A
-sparsifier (DGC, top-k) averages to gradients that are zero almost everywhere, and with
-error feedback the ranks keep selecting much the same coordinates, so most of the moment
-stays zero for hundreds of steps: AdamW stepped 2.3 times slower on a 27 M-parameter
+sparsifier (DGC, top-k) averages to gradients that are zero almost everywhere, so much of
+the moment stays zero for many steps: AdamW stepped 2.3 times slower on a 27 M-parameter
 model after ten DGC exchanges at density 0.01 than after dense ones (one process), and
 the 8-rank runs' optimizer step was 0.42-0.49 s with DGC against 0.24 s dense, as late
-as the 45th step. The planner therefore times the step after the method's own exchange
-has written the gradients (:func:`optimizer_step_s` with :func:`exchanged_gradients`),
-where a machine without that penalty shows none.
+as the 45th step (the longest run measured). The planner therefore times the step after
+the method's own exchange has written the gradients (:func:`optimizer_step_s` with
+:func:`exchanged_gradients`), where a machine without that penalty shows none.
 """
 
 from __future__ import annotations
