@@ -27,6 +27,7 @@ from thinwire.plan.probe import (
     fit_line,
     hosts_of,
     measured_sizes,
+    median_of_slowest,
     run_probe,
 )
 from thinwire.plan.probe_sharing import in_turn_share, share_at
@@ -148,6 +149,18 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     # a rank 40 ms late out of the barrier: timed one transfer alone it would count all
     # 40 ms; back to back it is spread over BACK_TO_BACK (8) transfers
     assert first["skewed"] < 0.02
+
+
+def test_each_repeat_counts_its_slowest_rank_whichever_rank_that_is():
+    # two groups sharing a link, each served last in one repeat of three: each rank's own
+    # median is the fast 0.1 s, but every step waits for whichever group is last
+    repeats = [[0.3, 0.1], [0.1, 0.3], [0.1, 0.1], [0.35, 0.1], [0.1, 0.32]]
+    assert median_of_slowest(repeats) == pytest.approx(0.3)
+    by_rank = max(sorted(times)[len(times) // 2] for times in zip(*repeats, strict=True))
+    assert by_rank == pytest.approx(0.1)  # what the probe measured before
+    assert median_of_slowest([[0.2]]) == 0.2
+    with pytest.raises(ValueError, match="at least one repeat"):
+        median_of_slowest([])
 
 
 def test_transfers_are_timed_back_to_back_fewer_as_they_grow():

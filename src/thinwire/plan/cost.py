@@ -72,12 +72,20 @@ class BucketCost:
     compress_s: float
     collectives: tuple[Collective, ...]
     numel: int = 0
+    #: how many of ``collectives`` each round of the bucket's protocol issues, in order
+    #: (empty: one a round); :mod:`thinwire.plan.stage_buckets` fuses rounds by it
+    rounds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ready <= 1.0:
             raise ValueError(f"bucket ready fraction must be in [0, 1], got {self.ready}")
         if self.compress_s < 0:
             raise ValueError(f"compress time must be >= 0, got {self.compress_s}")
+        if self.rounds and sum(self.rounds) != len(self.collectives):
+            raise ValueError(
+                f"rounds {self.rounds} issue {sum(self.rounds)} collectives, the bucket "
+                f"has {len(self.collectives)}"
+            )
 
     def comm_time(self, world_size: int, link: Link) -> float:
         """Seconds of this bucket's collectives, one after another."""

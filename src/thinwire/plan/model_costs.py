@@ -23,13 +23,11 @@ from typing import Any
 
 import torch
 
-from thinwire.data_parallel.buckets import MB
 from thinwire.plan.block_profiles import BlockProfiles, compose_stage, in_subbatches_of
-from thinwire.plan.cost import BucketCost, MethodCost
+from thinwire.plan.cost import MethodCost
 from thinwire.plan.hybrid_cost import StageCost
 from thinwire.plan.model_source import ModelSource
-from thinwire.plan.network import Collective
-from thinwire.plan.profile_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB
+from thinwire.plan.stage_buckets import rebucketed
 
 #: a bucket size no part reaches: each part's exchange is measured as one bucket
 ONE_BUCKET_MB = 1e6
@@ -120,45 +118,6 @@ class ModelCosts:
             exchange_bytes=sum(e.state_bytes for e in chosen),
             optimizer_s=optimizer_s,
         )
-
-
-def _merged(buckets: Sequence[BucketCost]) -> BucketCost:
-    """One bucket holding ``buckets``' gradients: their compression times and sizes add up,
-    and their collectives, round by round, become one each (same kinds) or run in turn."""
-    rounds = [b.collectives for b in buckets]
-    if len({tuple(c.kind for c in r) for r in rounds}) == 1:
-        collectives = tuple(
-            Collective(parts[0].kind, sum(c.nbytes for c in parts))
-            for parts in zip(*rounds, strict=True)
-        )
-    else:
-        collectives = tuple(c for r in rounds for c in r)
-    return BucketCost(
-        ready=max(b.ready for b in buckets),
-        compress_s=sum(b.compress_s for b in buckets),
-        collectives=collectives,
-        numel=sum(b.numel for b in buckets),
-    )
-
-
-def rebucketed(parts: Sequence[MethodCost]) -> MethodCost | None:
-    """The exchange of a stage made of ``parts`` (each measured as one bucket), bucketed as
-    the engine buckets the stage: from the last part (its gradients are ready first), a
-    bucket closes once it holds DDP's first limit (1 MiB), then 25 MiB each."""
-    if not parts:
-        return None
-    limits = [int(FIRST_BUCKET_MB * MB), int(BUCKET_CAP_MB * MB)]
-    buckets: list[BucketCost] = []
-    current: list[BucketCost] = []
-    for part in reversed(parts):
-        for bucket in part.buckets:
-            current.append(bucket)
-            if sum(b.numel for b in current) * 4 >= limits[min(len(buckets), 1)]:
-                buckets.append(_merged(current))
-                current = []
-    if current:
-        buckets.append(_merged(current))
-    return replace(parts[0], buckets=tuple(buckets), dense_bytes=sum(p.dense_bytes for p in parts))
 
 
 def _part_shapes(parts: BlockProfiles) -> list[tuple[tuple[int, ...], ...]]:
@@ -300,7 +259,7 @@ def _profile_many(
 
 
 #: bump when what a profile holds changes (older caches are profiled again)
-_FORMAT = 4
+_FORMAT = 5
 
 
 def _cached(cache: Path | None, key: str) -> ModelCosts | None:

@@ -65,6 +65,8 @@ class _LocalCommunicator(Communicator):
         self.name = kind
         #: what the rounds since it was last emptied would have sent
         self.sent: list[Collective] = []
+        #: how many of ``sent`` each of those rounds issued, in order
+        self.rounds: list[int] = []
 
     def supports(self, op: Op) -> bool:
         """Everything when gathering; sums and maxima under all-reduce."""
@@ -73,12 +75,14 @@ class _LocalCommunicator(Communicator):
     def _execute(
         self, requests: Sequence[Request], poison: bool | Tensor, lazy: bool
     ) -> RoundResult:
+        before = len(self.sent)
         if self.kind != ALLREDUCE:
             self._record_gathering(requests)
         else:
             for (_, dtype), members in group_by_op_and_dtype(requests).items():
                 numel = sum(t.numel() for i in members for t in requests[i].tensors)
                 self.sent.append(Collective(ALLREDUCE, numel * dtype.itemsize))
+        self.rounds.append(len(self.sent) - before)
         return RoundResult([_answer(r, self.world_size) for r in requests], poisoned=False)
 
     def _record_gathering(self, requests: Sequence[Request]) -> None:
@@ -128,13 +132,18 @@ class ThinwireEngine:
             GradientItem(name, view, param)
             for name, view, param in zip(bucket.names, bucket.views, bucket.params, strict=True)
         ]
-        self.communicator.sent = []
+        self.communicator.sent, self.communicator.rounds = [], []
         step = self.first_step + run
         for done, means in self.engine.exchange_bucket(
             items, bucket, last=last, fuse=self.fuse_rounds, step=step
         ):
             done.store(means)
         return self.communicator.sent
+
+    @property
+    def last_rounds(self) -> tuple[int, ...]:
+        """How many collectives each round of the last call issued, in order."""
+        return tuple(self.communicator.rounds)
 
 
 def _answer(request: Request, world: int) -> Any:

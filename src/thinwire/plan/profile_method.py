@@ -199,25 +199,31 @@ def _measure_buckets(
     ]
     times: list[list[float]] = [[] for _ in buckets]
     steps: list[list[list[Collective]]] = []
+    rounds: list[list[tuple[int, ...]]] = []  # per step and bucket: collectives a round
     warmup = getattr(exchanger, "warmup_runs", 1)  # PyTorch's PowerSGD starts dense
     with one_thread():
         for run in range(warmup + repeats):
             step: list[list[Collective]] = []
+            step_rounds: list[tuple[int, ...]] = []
             for bucket in buckets:
                 bucket.fill(generator)
                 started = time.perf_counter()
                 step.append(exchanger(bucket, run, bucket is buckets[-1]))
                 if run >= warmup:
                     times[bucket.index].append(time.perf_counter() - started)
+                step_rounds.append(getattr(exchanger, "last_rounds", ()))
             if run >= warmup:
                 steps.append(step)
-    collectives = max(steps, key=lambda step: sum(c.nbytes for b in step for c in b))
+                rounds.append(step_rounds)
+    heaviest = max(range(len(steps)), key=lambda i: sum(c.nbytes for b in steps[i] for c in b))
+    collectives = steps[heaviest]
     return [
         BucketCost(
             ready_of(names) if ready_of is not None and names else 1.0,
             statistics.median(times[bucket.index]) if timed else 0.0,
             tuple(collectives[bucket.index]),
             bucket.numel,
+            rounds=rounds[heaviest][bucket.index],
         )
         for bucket, names in zip(buckets, groups, strict=True)
     ]
