@@ -181,6 +181,32 @@ def test_a_stage_profile_notes_the_shards_collectives_and_compute(tmp_path, monk
     assert first.dp_sent_bytes == 0  # dp=1
 
 
+def test_plans_of_one_shape_sleep_one_profile_each_with_its_own_exchange(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from thinwire.bench import hybrid_sleep
+
+    calls = []
+    profile_plan = hybrid_sleep.profile_plan
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return profile_plan(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid_sleep, "profile_plan", counted)
+    plans = [parse_plan(p) for p in ("2x1x1/mb2", "2x1x1/mb2:powersgd(rank=2)", "2x1x1/mb1")]
+    config = SimpleNamespace(task="gpt", task_options=TINY, optimizer="adamw", plans=plans)
+    shared: dict = {}
+    dense, powersgd, fewer = (hybrid_sleep.profile(config, p, shared) for p in plans)
+    assert [str(p) for p in calls] == [str(plans[0]), str(plans[2])]  # one per shape
+    for a, b in zip(dense, powersgd, strict=True):
+        assert a.forward == b.forward and a.backward == b.backward  # the same compute
+        assert b.dp_cost.method == "powersgd" and a.dp_cost.method != "powersgd"
+        assert b.dp_sent_bytes < a.dp_sent_bytes  # each its own method's exchange
+        assert b.exchange_bytes > 0 == a.exchange_bytes  # PowerSGD keeps a residual
+    assert fewer[0].forward != dense[0].forward  # another micro-batch size: its own
+
+
 #: large enough that payloads outweigh gloo's per-message headers in the byte counts
 SMALL = {**TINY, "dim": 64, "seq_len": 32}
 

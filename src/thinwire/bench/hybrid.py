@@ -197,7 +197,7 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
                 ranks_per_host=config.ranks_per_host, uplink_queue=config.uplink_queue,
             )  # fmt: skip
             placement = Placement.on(stack.enter_context(cluster))
-        shared: dict = {}  # stage profiles, shared by plans differing in schedule only
+        shared: dict = {}  # stage profiles, shared by plans of the same shape
         for plan in config.plans:
             with LocalPool(world, collective_timeout_s=300, placement=placement) as pool:
                 if config.compute == "sleep":

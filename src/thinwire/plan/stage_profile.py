@@ -415,6 +415,20 @@ def _dp_cost(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
     )
 
 
+def for_method(profile: StageProfile, plan: Any) -> StageProfile:
+    """``profile`` (a stage of a plan of the same shape) with ``plan``'s data-parallel
+    exchange: its cost, bytes and state measured on the stage's shards. The compute is
+    the same whatever the method, so plans differing only in their method can sleep one
+    profile's compute."""
+    dp_cost = _dp_cost(plan, profile.parameter_shapes)
+    return replace(
+        profile,
+        dp_cost=dp_cost,
+        dp_sent_bytes=0.0 if dp_cost is None else dp_cost.sent_bytes(plan.dp),
+        exchange_bytes=_exchange_bytes(plan, profile.parameter_shapes),
+    )
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
