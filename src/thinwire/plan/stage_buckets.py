@@ -29,12 +29,16 @@ from thinwire.plan.profile_buckets import BUCKET_CAP_MB, FIRST_BUCKET_MB
 Rounds = list[list[Collective]]
 
 
+def round_sizes(bucket: BucketCost) -> tuple[int, ...]:
+    """How many collectives each of ``bucket``'s rounds issues (:attr:`BucketCost.rounds`;
+    a bucket that does not say issues one a round)."""
+    return bucket.rounds or (1,) * len(bucket.collectives)
+
+
 def rounds_of(bucket: BucketCost) -> Rounds:
-    """``bucket``'s collectives round by round (:attr:`BucketCost.rounds`; a bucket that
-    does not say issues one collective a round)."""
-    sizes = bucket.rounds or (1,) * len(bucket.collectives)
+    """``bucket``'s collectives round by round (:func:`round_sizes`)."""
     rounds, start = [], 0
-    for size in sizes:
+    for size in round_sizes(bucket):
         rounds.append(list(bucket.collectives[start : start + size]))
         start += size
     return rounds
@@ -44,8 +48,8 @@ def merged_bucket(buckets: Sequence[BucketCost]) -> BucketCost:
     """One bucket holding ``buckets``' gradients: their compression times and sizes add up,
     and their collectives, round by round, become one each (same kinds) or run in turn."""
     rounds = [b.collectives for b in buckets]
-    shapes = {b.rounds or (1,) * len(b.collectives) for b in buckets}
-    if len({tuple(c.kind for c in r) for r in rounds}) == 1 and len(shapes) == 1:
+    alike = len({tuple(c.kind for c in r) for r in rounds}) == 1
+    if alike and len(set(map(round_sizes, buckets))) == 1:
         collectives = tuple(
             Collective(parts[0].kind, sum(c.nbytes for c in parts))
             for parts in zip(*rounds, strict=True)
@@ -53,7 +57,7 @@ def merged_bucket(buckets: Sequence[BucketCost]) -> BucketCost:
         sizes = buckets[0].rounds
     else:
         collectives = tuple(c for r in rounds for c in r)
-        sizes = tuple(n for b in buckets for n in (b.rounds or (1,) * len(b.collectives)))
+        sizes = tuple(n for b in buckets for n in round_sizes(b))
     return BucketCost(
         ready=max(b.ready for b in buckets),
         compress_s=sum(b.compress_s for b in buckets),

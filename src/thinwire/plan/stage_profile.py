@@ -358,9 +358,8 @@ def profile_stage(
         stage.zero_grad(set_to_none=True)
     assert output is not None
     shapes = tuple(tuple(_local(p).shape) for p in stage.parameters())
-    dp_cost = _dp_cost(plan, shapes)
     optimizer_s, optimizer_state = optimizer_step_s(optimizer, shapes, repeats)
-    return StageProfile(
+    profile = StageProfile(
         index,
         _median_pass(forwards[1:]),
         _median_pass(backwards[1:]),
@@ -368,13 +367,11 @@ def profile_stage(
         str(output.dtype),
         shapes,
         loss_collectives=loss_log.finish().collectives,
-        dp_sent_bytes=0.0 if dp_cost is None else dp_cost.sent_bytes(plan.dp),
-        dp_cost=dp_cost,
         optimizer_s=optimizer_s,
         optimizer_state_bytes=optimizer_state,
         saved_bytes=_saved_bytes(stage, loss, x, targets),
-        exchange_bytes=_exchange_bytes(plan, shapes),
     )
+    return for_method(profile, plan)
 
 
 def _saved_bytes(stage: Any, loss: Any, x: torch.Tensor, targets: torch.Tensor) -> int:
@@ -416,10 +413,10 @@ def _dp_cost(plan: Any, shapes: tuple[tuple[int, ...], ...]) -> Any:
 
 
 def for_method(profile: StageProfile, plan: Any) -> StageProfile:
-    """``profile`` (a stage of a plan of the same shape) with ``plan``'s data-parallel
-    exchange: its cost, bytes and state measured on the stage's shards. The compute is
-    the same whatever the method, so plans differing only in their method can sleep one
-    profile's compute."""
+    """``profile`` (a stage of ``plan`` or of a plan of the same shape) with ``plan``'s
+    data-parallel exchange: its cost, bytes and state measured on the stage's shards. The
+    compute is the same whatever the method, so plans differing only in their method can
+    sleep one profile's compute."""
     dp_cost = _dp_cost(plan, profile.parameter_shapes)
     return replace(
         profile,
