@@ -5,8 +5,8 @@
 #   bash bench/sparse_cores16.sh OUT_DIR [ROUNDS]
 # OUT_DIR gets one JSON record, one log and TCP's losses per run (NAME-ROUND.json, .log,
 # .tcp: bench/tcp_losses.py). NAMES picks the runs and their order (gathered, partitioned,
-# keep4; partitioned-paced and keep4-paced: with the all-to-alls paced, PACE_BYTES a rank
-# in flight, default 131072). DATA_DIR names
+# keep4, each unpaced; partitioned-paced and keep4-paced: with the all-to-alls paced,
+# PACE_BYTES a rank in flight, default 131072). DATA_DIR names
 # the Fashion-MNIST files where they are not at the Debian package's place; WORKERS and
 # BANDWIDTH change the bed (16, 100mbit). Each run has its own time limit.
 set -u
@@ -33,7 +33,7 @@ for round in $(seq "$rounds"); do
     started=$SECONDS
     scratch=$(mktemp -d)
     base=${name%-paced}
-    pace=()  # NAME-paced: the same with the all-to-alls paced (comm/paced.py)
+    pace=(THINWIRE_PACE_BYTES=0)  # NAME-paced: the same with the all-to-alls paced (comm/paced.py)
     [ "$base" != "$name" ] && pace=(THINWIRE_PACE_BYTES="${PACE_BYTES:-131072}")
     timeout "${RUN_LIMIT:-300}" env "${pace[@]}" $py -m thinwire.cli bench "${bed[@]}" \
       --options "${options[$base]}" --out "$scratch" >"$out/$run.log" 2>&1 &

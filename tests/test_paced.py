@@ -26,7 +26,8 @@ def test_the_environment_sets_the_budget_at_import() -> None:
     import sys
 
     script = "from thinwire.comm.paced import PACE_BYTES; print(PACE_BYTES)"
-    for value, wanted in (("131072", "131072"), ("4096", "4096"), (None, "0")):
+    cases = (("131072", "131072"), ("4096", "4096"), ("0", "0"), (None, "131072"), ("", "131072"))
+    for value, wanted in cases:  # unset or empty: the default, 128 KiB
         env = {k: v for k, v in os.environ.items() if k != "THINWIRE_PACE_BYTES"}
         if value is not None:
             env["THINWIRE_PACE_BYTES"] = value

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from thinwire import exit_grace  # noqa: F401  (its exit handler: gloo's workers at exit)
+
 if TYPE_CHECKING:
     from thinwire.auto import auto_plan, parallelize
     from thinwire.checkpoint import Checkpoints

@@ -167,7 +167,7 @@ def paced_steps(nbytes: float, world_size: int, budget: int | None = None) -> in
     """Windows of partners a paced all-to-all of ``nbytes`` a rank (split evenly among the
     peers) takes: ``ceil((N - 1) / window)``, the window as
     :func:`thinwire.comm.paced.window_of` sizes it for ``budget`` (default: the
-    transport's, 0 unless ``THINWIRE_PACE_BYTES`` sets it: one window)."""
+    transport's, :data:`thinwire.comm.paced.PACE_BYTES`)."""
     peers = world_size - 1
     if peers < 1:
         return 1
