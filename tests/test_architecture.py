@@ -19,6 +19,7 @@ _LIBRARY = _TRANSPORT | {"data_parallel", "parallel", "integrations", "strategie
 #: each part of thinwire and the parts it may import (besides itself): docs/architecture.md
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "exit_grace": set(),
     "compress": {"errors"},
     "comm": {"compress", "errors"},
     "data_parallel": _TRANSPORT,
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": _LIBRARY | {"tasks", "cluster", "launch", "plan", "auto"},
     "demo": _LIBRARY | {"tasks", "cluster", "launch", "plan", "bench", "auto"},
     "cli": _LIBRARY | {"tasks", "cluster", "launch", "plan", "bench", "demo", "auto"},
-    "__init__": PUBLIC_API,
+    "__init__": PUBLIC_API | {"exit_grace"},  # imported for its exit handler
 }
 
 

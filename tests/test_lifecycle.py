@@ -161,6 +161,10 @@ def test_free_ports_lie_below_the_kernels_ephemeral_range_and_skip_taken_ones(mo
         picked.append(launch.free_port())
     assert all(launch.LOWEST_PICKED_PORT <= port < top for port in picked), (picked, top)
     assert len(set(picked)) > 1
+    # inside emulated hosts' namespaces too (a sweep's plan once met a taken port above)
+    in_namespace = {launch.namespace_port() for _ in range(20)}
+    assert all(launch.LOWEST_PICKED_PORT <= port < top for port in in_namespace)
+    assert len(in_namespace) > 1
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", picked[0]))
         taken.listen()

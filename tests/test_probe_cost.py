@@ -109,6 +109,7 @@ def _probe_on_loopback(rank: int, world: int) -> dict:
         "betas": [p.beta_s for p in probe.point_to_point]
         + [f.beta_s for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())],
         "slowdown": probe.cpu_slowdown,
+        "slowdowns": probe.cpu_slowdowns,
         "overlaps": [
             f.overlap for f in (*probe.intra_allreduce.values(), *probe.inter_allreduce.values())
         ],
@@ -138,6 +139,9 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     assert first["intra"] == [2] and first["inter"] == [1, 2]
     assert all(beta > 0 for beta in first["betas"])
     assert first["slowdown"] > 0
+    # the CPU job with 1, 2 and 4 ranks at once; every rank's the last point
+    assert [c for c, _ in first["slowdowns"]] == [1, 2, 4]
+    assert first["slowdowns"][0][1] == 1.0 and first["slowdowns"][-1][1] == first["slowdown"]
     assert len(first["overlaps"]) == 3 and all(0.0 <= o <= 1.0 for o in first["overlaps"])
     # two at once measured at every size the fit measured
     assert all(sizes == measured and len(sizes) >= 3 for sizes, measured in first["per_size"])

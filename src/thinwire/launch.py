@@ -111,6 +111,15 @@ def _start_forkserver_quietly() -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+def namespace_port() -> int:
+    """A port for a rendezvous inside emulated hosts' namespaces: at random between
+    :data:`LOWEST_PICKED_PORT` and the kernel's ephemeral range, where no outgoing
+    connection is given one."""
+    return _PORT_CHOICE.randrange(
+        LOWEST_PICKED_PORT, max(LOWEST_PICKED_PORT + 1, _ephemeral_start())
+    )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, picked at random below
     the kernel's ephemeral range: a port asked of the kernel (port 0) lies in that range,
@@ -278,8 +287,11 @@ class LocalPool:
         ctx = process_context()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
-        # A fresh namespace has no listeners: any port is free there.
-        port = free_port() if placement is None else random.randint(20_000, 60_000)
+        # A namespace has no listeners of its own, but its ranks' outgoing connections
+        # (a rank retrying the store, the previous pool's gloo pairs) take ephemeral ports
+        # there: pick below that range, as free_port does (one of a sweep's 35 plans failed
+        # with "address already in use" at a port inside it).
+        port = free_port() if placement is None else namespace_port()
         self._procs = [
             ctx.Process(
                 target=_serve,

@@ -31,6 +31,7 @@ from typing import TypeVar
 from thinwire.parallel.interleaved_program import held_in_turn
 from thinwire.parallel.plan import CHUNKS_PER_RANK
 from thinwire.plan.cost import MethodCost, round_exchange_s
+from thinwire.plan.cpu_sharing import shared_finish, slowdown_curve
 from thinwire.plan.fluid_wire import way
 from thinwire.plan.network import GLOO_STEP_DELAYS, Link
 from thinwire.plan.plan_traffic import rank_at
@@ -413,19 +414,26 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         links=[[per_replica[r] for r in sharing] for _, per_replica in crossings],
     )
     held = [range(k, count, pp) for k in range(pp)]  # each rank's stages
-    slowdown = max(1.0, probe.cpu_slowdown)
-    exchange, optimizer = [0.0] * pp, [0.0] * pp
+    comm, compress, optimizer = [0.0] * pp, [0.0] * pp, [0.0] * pp  # CPU parts timed alone
     for index, stage in enumerate(stages):
-        seconds = 0.0
         if stage.dp_cost is not None and degrees.dp > 1:
             link, size = links.dp_link(index)
             if stage.dp_cost.schedule == "local":  # DiLoCo, local SGD: once per round
-                seconds = round_exchange_s(stage.dp_cost, link, size, pipeline.step_s)
+                comm[index % pp] += round_exchange_s(stage.dp_cost, link, size, pipeline.step_s)
             else:
-                seconds = stage.dp_cost.comm_time(size, link) + stage.dp_cost.compress_s * slowdown
-        exchange[index % pp] += seconds
-        optimizer[index % pp] += stage.optimizer_s * slowdown
-    ends = [pipeline.stage_end_s[k] + exchange[k] + optimizer[k] for k in range(pp)]
+                comm[index % pp] += stage.dp_cost.comm_time(size, link)
+                compress[index % pp] += stage.dp_cost.compress_s
+        optimizer[index % pp] += stage.optimizer_s
+    # the stages' CPU work after the pipeline, sharing the CPU with whatever else runs then
+    slowdown = slowdown_curve(
+        probe.cpu_slowdowns, probe.hosts * probe.ranks_per_host, probe.cpu_slowdown
+    )
+    starts = [pipeline.stage_end_s[k] + comm[k] for k in range(pp)]
+    work = [compress[k] + optimizer[k] for k in range(pp)]
+    ends = shared_finish(starts, work, [degrees.dp * degrees.tp] * pp, slowdown)
+    stretch = [(ends[k] - starts[k]) / work[k] if work[k] > 0 else 1.0 for k in range(pp)]
+    exchange = [comm[k] + compress[k] * stretch[k] for k in range(pp)]
+    optimizer = [optimizer[k] * stretch[k] for k in range(pp)]
     loss = 2 * shared_fit(probe.inter_allreduce or probe.intra_allreduce, 1).alpha_s
     busiest = held[max(range(pp), key=lambda k: pipeline.stage_busy_s[k])]
     m = degrees.microbatches

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from thinwire.plan.cpu_sharing import probe_slowdowns
 from thinwire.plan.probe_sharing import probe_sharing, share_at
 
 #: collectives a gloo process group runs at once: one per worker thread, two unless its
@@ -125,6 +126,9 @@ class LinkProbe:
     """How many collectives one process group runs at the same time (gloo: its worker
     threads, read from the default group; PyTorch makes every gloo group alike; NCCL: one,
     its stream); more issued together wait their turn."""
+    cpu_slowdowns: tuple[tuple[int, float], ...] = ()
+    """(ranks running the CPU job at once, slowdown) from 1 to every rank
+    (:mod:`thinwire.plan.cpu_sharing`); empty in a probe from before it was measured."""
 
     def save(self, path: str | Path) -> Path:
         """Write the probe as JSON."""
@@ -146,6 +150,7 @@ class LinkProbe:
                 cpu_slowdown=float(raw["cpu_slowdown"]),
                 notes=dict(raw.get("notes", {})),
                 collectives_at_once=int(raw.get("collectives_at_once", GLOO_THREADS)),
+                cpu_slowdowns=tuple((int(c), float(x)) for c, x in raw.get("cpu_slowdowns", ())),
             )
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(
@@ -232,15 +237,17 @@ def run_probe(ranks_per_host: int, target_s: float = 0.25, repeats: int = 3) -> 
         across = [[h * ranks_per_host + i for h in range(hosts)] for i in range(ranks_per_host)]
         for count in sorted({1, ranks_per_host}):
             inter[count] = _probe_allreduce(across, target_s, repeats, running=count)
+    slowdowns = probe_slowdowns(rank, world, repeats)
     return LinkProbe(
         hosts=hosts,
         ranks_per_host=ranks_per_host,
         point_to_point=tuple(p2p),
         intra_allreduce=intra,
         inter_allreduce=inter,
-        cpu_slowdown=_probe_cpu(rank, repeats),
+        cpu_slowdown=slowdowns[world],
         notes={"target_s": target_s, "repeats": repeats, "backend": dist.get_backend()},
         collectives_at_once=group_collectives_at_once(dist.group.WORLD),
+        cpu_slowdowns=tuple(slowdowns.items()),
     )
 
 
@@ -444,30 +451,3 @@ def latency_overlap(both_s: float, wire_s: float, latency_s: float) -> float:
     if latency_s <= 0:
         return 0.0
     return min(1.0, max(0.0, 2 - (both_s - 2 * wire_s) / latency_s))
-
-
-def _probe_cpu(rank: int, repeats: int) -> float:
-    """A 2 M-parameter AdamW step: on rank 0 alone, then on every rank at once."""
-    import torch
-    import torch.distributed as dist
-
-    weight = torch.nn.Parameter(torch.zeros(2 * 1024 * 1024))
-    weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.AdamW([weight], lr=1e-3)
-
-    def job() -> float:
-        start = time.perf_counter()
-        for _ in range(5):
-            optimizer.step()
-        return time.perf_counter() - start
-
-    job()  # warm up
-    alone, together = [], []
-    for _ in range(repeats):
-        dist.barrier()
-        if rank == 0:
-            alone.append(job())
-        dist.barrier()
-        together.append(job())
-    slowdown = statistics.median(together) / statistics.median(alone) if rank == 0 else 0.0
-    return _agreed(slowdown)

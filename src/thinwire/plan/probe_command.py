@@ -89,4 +89,6 @@ def probe_table(probe: LinkProbe) -> Table:
                 f"{fit.alpha_s * 1e3:.3f} ms/step", format_rate(fit.bandwidth_bps), "",
             )  # fmt: skip
     table.add_row("CPU", "optimizer step", "every rank", f"{probe.cpu_slowdown:.2f}x alone", "", "")
+    for ranks, slowdown in probe.cpu_slowdowns[1:-1]:  # the curve between alone and all
+        table.add_row("CPU", "optimizer step", f"{ranks} ranks", f"{slowdown:.2f}x alone", "", "")
     return table
