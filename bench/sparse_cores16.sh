@@ -7,7 +7,8 @@
 # .tcp: bench/tcp_losses.py). NAMES picks the runs and their order (gathered, partitioned,
 # keep4, each unpaced; partitioned-paced and keep4-paced: with the all-to-alls paced,
 # PACE_BYTES a rank in flight, default 131072). DATA_DIR names
-# the Fashion-MNIST files where they are not at the Debian package's place; WORKERS and
+# the Fashion-MNIST files where they are not at the Debian package's place (on a lent GPU
+# machine: bench/fashion_subset.py's tiled copy); WORKERS and
 # BANDWIDTH change the bed (16, 100mbit). Each run has its own time limit.
 set -u
 out=${1:?usage: sparse_cores16.sh OUT_DIR [ROUNDS]}

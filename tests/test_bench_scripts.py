@@ -145,3 +145,25 @@ def test_tcp_losses_sums_each_namespaces_last_reading(monkeypatch, tmp_path: Pat
     assert totals == {
         "namespaces": 2, "TcpRetransSegs": 24, "TcpExtTCPTimeouts": 2, "uplink_drops": 8,
     }  # fmt: skip
+
+
+def test_fashion_subset_cuts_and_tiles_back_to_the_full_training_set(tmp_path: Path) -> None:
+    """The first 10,000 Fashion-MNIST training images, tiled six times, load as the task's
+    60,000 (the first 10,000 the originals); a count that does not divide 60,000 is refused."""
+    from thinwire.tasks.fashion import DEFAULT_DIR, load_fashion
+
+    if not (Path(DEFAULT_DIR) / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("needs the dataset-fashion-mnist Debian package")
+    script = [sys.executable, str(BENCH / "fashion_subset.py")]
+    small, whole = tmp_path / "small", tmp_path / "whole"
+    subprocess.run([*script, "cut", DEFAULT_DIR, str(small), "10000"], check=True, timeout=120)
+    assert (small / "train-images-idx3-ubyte.gz").stat().st_size < 6e6
+    subprocess.run([*script, "tile", str(small), str(whole)], check=True, timeout=120)
+    tiled, original = load_fashion(str(whole)), load_fashion(DEFAULT_DIR)
+    assert np.array_equal(tiled.train_x[:10000], original.train_x[:10000])
+    assert np.array_equal(tiled.train_x[50000:], original.train_x[:10000])
+    assert np.array_equal(tiled.train_y[:10000], original.train_y[:10000])
+    assert np.array_equal(tiled.test_x, original.test_x)
+    refused = subprocess.run([*script, "cut", DEFAULT_DIR, str(small), "7000"], timeout=120,
+                             capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode != 0 and "divide 60000" in refused.stderr
