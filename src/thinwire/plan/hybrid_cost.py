@@ -414,7 +414,9 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         links=[[per_replica[r] for r in sharing] for _, per_replica in crossings],
     )
     held = [range(k, count, pp) for k in range(pp)]  # each rank's stages
-    comm, compress, optimizer = [0.0] * pp, [0.0] * pp, [0.0] * pp  # CPU parts timed alone
+    # per pipeline rank: the exchange's time on the wire; its compression and the optimizer
+    # step, CPU work timed alone
+    comm, compress, optimizer = [0.0] * pp, [0.0] * pp, [0.0] * pp
     for index, stage in enumerate(stages):
         if stage.dp_cost is not None and degrees.dp > 1:
             link, size = links.dp_link(index)
