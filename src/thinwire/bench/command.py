@@ -305,11 +305,14 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
         return 2
     out = Path(args.out)
     try:
-        records = run_hybrid(config, out, console.print)
+        sweep = run_hybrid(config, out, console.print)
     except (RuntimeError, OSError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
-    if config.compute == "sleep":
+    records = sweep.records
+    if not records:
+        picture = "none (no plan ran)"
+    elif config.compute == "sleep":
         from thinwire.bench.hybrid_sleep import plot_throughput
 
         title = f"{config.task}, {config.network} {config.bandwidth}, {config.latency}"
@@ -317,4 +320,12 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
     else:
         picture = plot_losses(records, out / "losses.png")
     console.print(f"results: {out}/results.json   plot: {picture}")
+    for failure in sweep.failed:
+        console.print(f"[red]failed:[/] {escape(failure['plan'])}: {escape(failure['error'])}")
+    if sweep.failed:
+        console.print(
+            f"[red]error:[/] {len(sweep.failed)} of {len(config.plans)} plans failed (above, "
+            "and under 'failed' in results.json): run them again with --plans"
+        )
+        return 1
     return 0

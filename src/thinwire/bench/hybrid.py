@@ -93,6 +93,12 @@ class HybridConfig:
             raise ValueError(f"--compute must be real or sleep, got {self.compute!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        batch = task(self.task, **self.task_options).batch_size
+        for plan in self.plans:  # refused here, not on the ranks minutes into a sweep
+            try:
+                plan.check_batch(batch)
+            except ValueError as error:
+                raise ValueError(f"plan {plan_label(plan)}: {error}") from error
 
 
 def learning_rate(step: int, config: HybridConfig) -> float:
@@ -179,16 +185,35 @@ def rank_memory(trainer: ParallelTrainer, activations: int) -> dict[str, int]:
     return estimate.as_dict()
 
 
-def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dict]:
+FAILURES_IN_A_ROW = 3
+"""A sweep stops after this many plans failed one after the other: then the bed (the
+emulated cluster, the machine's memory, a port) is failing, not the plans."""
+
+
+@dataclass
+class HybridSweep:
+    """What :func:`run_hybrid` measured: a record per plan that ran, and for each plan that
+    failed its label and the error (also in ``results.json`` under ``"failed"``)."""
+
+    records: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+
+
+def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> HybridSweep:
     """Train every plan in turn, each on fresh local ranks; write ``results.json``.
 
     Fresh ranks per plan: the ranks of one pool had grown to 3.4 GB each after seven plans
     of a 27 M GPT (the kernel killed one at the eighth), and a plan's first steps would
-    otherwise depend on what the plans before it left in the ranks' memory."""
+    otherwise depend on what the plans before it left in the ranks' memory.
+
+    A plan that fails (a rank's error, a timeout, a pool that does not start) is recorded
+    with its error and the sweep goes on to the next: one plan's failure had cost a sweep
+    the six plans after it. After :data:`FAILURES_IN_A_ROW` failures in a row the sweep
+    stops with an error naming them, the records so far written."""
     out.mkdir(parents=True, exist_ok=True)
     job = task(config.task, **config.task_options)
     getattr(job, "corpus", None)  # make the data (and its cache) before the ranks start
-    records = []
+    sweep = HybridSweep()
     with contextlib.ExitStack() as stack:
         world, placement = config.plans[0].world_size, None
         if config.network == "emulated":
@@ -198,16 +223,44 @@ def run_hybrid(config: HybridConfig, out: Path, report: Any = print) -> list[dic
             )  # fmt: skip
             placement = Placement.on(stack.enter_context(cluster))
         shared: dict = {}  # stage profiles, shared by plans of the same shape
+        in_a_row = 0
         for plan in config.plans:
-            with LocalPool(world, collective_timeout_s=300, placement=placement) as pool:
-                if config.compute == "sleep":
-                    record = time_on_sleeping_ranks(pool, config, plan, report, shared)
-                else:
-                    record = _train(pool, config, plan, report)
-            records.append(record)
-            summary = {"config": _describe(config), "records": records}
-            (out / "results.json").write_text(json.dumps(summary, indent=2))
-    return records
+            try:
+                sweep.records.append(run_one_plan(config, plan, world, placement, report, shared))
+                in_a_row = 0
+            except Exception as error:  # recorded, reported, then the next plan
+                in_a_row += 1
+                sweep.failed.append({"plan": plan_label(plan), "error": str(error)})
+                report(f"  {plan_label(plan)} failed: {error}")
+            _write(config, sweep, out)
+            if in_a_row >= FAILURES_IN_A_ROW:
+                names = ", ".join(f["plan"] for f in sweep.failed[-in_a_row:])
+                raise RuntimeError(
+                    f"{in_a_row} plans failed in a row ({names}), the last with: "
+                    f"{sweep.failed[-1]['error']}\nthe sweep stopped: look at the bed (free "
+                    f"memory, 'thinwire cluster' namespaces, ports); the {len(sweep.records)} "
+                    f"plans that ran are in {out / 'results.json'}"
+                )
+    return sweep
+
+
+def run_one_plan(
+    config: HybridConfig, plan: ParallelPlan, world: int, placement: Placement | None,
+    report: Any, shared: dict,
+) -> dict:  # fmt: skip
+    """One plan of a sweep on fresh ranks: timed on virtual accelerators under
+    ``compute="sleep"``, else trained; its record."""
+    with LocalPool(world, collective_timeout_s=300, placement=placement) as pool:
+        if config.compute == "sleep":
+            return time_on_sleeping_ranks(pool, config, plan, report, shared)
+        return _train(pool, config, plan, report)
+
+
+def _write(config: HybridConfig, sweep: HybridSweep, out: Path) -> None:
+    summary: dict[str, Any] = {"config": _describe(config), "records": sweep.records}
+    if sweep.failed:
+        summary["failed"] = sweep.failed
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
 
 
 def _train(pool: LocalPool, config: HybridConfig, plan: ParallelPlan, report: Any) -> dict:
