@@ -16,7 +16,9 @@ of its runs' step times, the largest of their peaks.
 Where the sweep noted its ranks' exchange and optimizer step (runs since 2026-11-28), each
 row also splits the step as the model does, predicted beside measured (the measured along
 the critical path of the run's last step): the pipeline, the data-parallel exchange and
-the optimizer step.
+the optimizer step. Where it timed each rank's exchange on every step and then alone
+(runs since 2026-11-29), a row also puts the model's exchange beside the slowest rank's
+inside the steps and alone (every stage's groups at once, and one stage's at a time).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def check(plan_json: Path, results: Path | list[Path], memory_limit: int | None 
                 "measured_peak_bytes": peak,
                 "peak_error": predicted["peak_memory_bytes"] / peak - 1,
                 "parts": _parts(predicted, measured[-1]),
+                "exchange": _exchange(predicted, measured[-1]),
             }
         )
     if not rows:
@@ -134,6 +137,22 @@ def _parts(predicted: dict, record: dict) -> dict | None:
     }
 
 
+def _exchange(predicted: dict, record: dict) -> dict | None:
+    """The data-parallel exchange four ways (``None`` for runs before 2026-11-29, which
+    did not time it on every step, and under ``dp = 1``): the model's, and the slowest
+    rank's median inside the timed steps, run again alone with every stage at once
+    (``together``) and one stage at a time (``by_stage``)."""
+    alone = [a for a in record.get("exchange_alone_s_per_rank", []) if a]
+    if not alone:
+        return None
+    return {
+        "predicted_s": predicted.get("data_parallel_s"),
+        "in_steps_s": max(record["exchange_s_per_rank"]),
+        "together_s": max(a["together"] for a in alone),
+        "by_stage_s": max(a["by_stage"] for a in alone),
+    }
+
+
 def markdown(summary: dict) -> str:
     """The comparison as a Markdown table and a summary line."""
     lines = [
@@ -158,6 +177,16 @@ def markdown(summary: dict) -> str:
             cells = [
                 f"{'-' if p is None else f'{p:.2f}'} / {m:.2f}" for p, m in r["parts"].values()
             ]
+            lines.append(f"| {r['plan']} | {' | '.join(cells)} |")
+    timed = [r for r in summary["rows"] if r.get("exchange")]
+    if timed:
+        lines += [
+            "\n| plan | exchange s predicted | in the steps | alone, every stage at once "
+            "| alone, a stage at a time |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in timed:
+            cells = [f"{'-' if v is None else f'{v:.3f}'}" for v in r["exchange"].values()]
             lines.append(f"| {r['plan']} | {' | '.join(cells)} |")
     gap = summary["chosen_over_best"]
     lines.append(

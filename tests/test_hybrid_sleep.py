@@ -217,14 +217,20 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     monkeypatch.setenv("THINWIRE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     code = main([
-        "bench", "--task", "gpt", "--plans", "1x2x2/mb2", "--compute", "sleep",
+        "bench", "--task", "gpt", "--plans", "1x2x2/mb2 2x2x1/mb2", "--compute", "sleep",
         "--ranks-per-host", "2", "--bandwidth", "100mbit", "--latency", "1ms", "--steps", "3",
         "--untimed-steps", "1", "--task-options", json.dumps(SMALL), "--out", str(out),
         "--timeout", "300",
     ])  # fmt: skip
     assert code == 0
-    (record,) = json.loads((out / "results.json").read_text())["records"]
+    record, data_parallel = json.loads((out / "results.json").read_text())["records"]
     assert (out / "throughput.png").exists()
+    # each rank's exchange timed on every step, then alone outside the steps (dp=1: none)
+    assert record["exchange_s_per_rank"] == [0.0] * 4
+    assert record["exchange_alone_s_per_rank"] == [{}] * 4
+    assert all(s > 0 for s in data_parallel["exchange_s_per_rank"])
+    for alone in data_parallel["exchange_alone_s_per_rank"]:
+        assert set(alone) == {"together", "by_stage"} and min(alone.values()) > 0
     assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
     assert record["step_s"] == statistics.median(record["steps_s"][1:])  # after the untimed
     # every rank's last step: its computes, then its optimizer step (dp=1: no exchange)
@@ -251,11 +257,13 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     # the planner's memory per rank, from the stage profiles and the simulated schedule,
     # against what each rank held (the same link figures as the cluster's; memory does
     # not depend on them)
-    (row,) = predict_sweep(out / "results.json", _nominal_probe(), tmp_path / "profiles")["rows"]
-    for stage in row["memory"]["stages"]:
-        assert abs(stage["activations_error"]) < 0.05, stage
-        assert abs(stage["total_error"]) < 0.15, stage
-    assert row["predicted_s"] > 0
+    rows = predict_sweep(out / "results.json", _nominal_probe(), tmp_path / "profiles")["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        for stage in row["memory"]["stages"]:
+            assert abs(stage["activations_error"]) < 0.05, (row["plan"], stage)
+            assert abs(stage["total_error"]) < 0.15, (row["plan"], stage)
+        assert row["predicted_s"] > 0
 
 
 def _nominal_probe() -> LinkProbe:

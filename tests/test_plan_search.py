@@ -282,7 +282,9 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
         {"plan": "8x1x1/mb1/1f1b:dgc(d=1,warmup_steps=0)", "step_s": 2.2, "peak_memory_bytes": 250},
         {"plan": "4x2x1/mb8/gpipe", "step_s": 2.5, "peak_memory_bytes": 100,
          "timelines": [[[0, "F", 0.0, 0.5], [0, "B", 0.6, 1.9], [0, "X", 1.9, 2.2],
-                        [0, "O", 2.2, 2.3]], [[1, "B", 0.9, 2.0], [1, "X", 2.0, 2.4]]]},
+                        [0, "O", 2.2, 2.3]], [[1, "B", 0.9, 2.0], [1, "X", 2.0, 2.4]]],
+         "exchange_s_per_rank": [0.3, 0.4], "exchange_alone_s_per_rank": [
+             {"together": 0.2, "by_stage": 0.1}, {"together": 0.15, "by_stage": 0.12}]},
     ]  # fmt: skip
     (tmp_path / "plan.json").write_text(json.dumps(planned))
     (tmp_path / "results.json").write_text(json.dumps({"records": records}))
@@ -311,6 +313,15 @@ def test_plan_check_compares_the_planners_order_with_a_sweep(tmp_path):
     assert split["exchange_s"][0] is None  # the planner's row here gave no breakdown
     assert [r["parts"] for r in summary["rows"][1:]] == [None, None]
     assert "| 4x2x1/mb8/gpipe | - / 2.00 | - / 0.40 | - / 0.00 |" in plan_check.markdown(summary)
+    # the exchange inside the steps and alone, the slowest rank's each way
+    assert summary["rows"][0]["exchange"] == {
+        "predicted_s": None,
+        "in_steps_s": 0.4,
+        "together_s": 0.2,
+        "by_stage_s": 0.12,
+    }
+    assert [r["exchange"] for r in summary["rows"][1:]] == [None, None]
+    assert "| 4x2x1/mb8/gpipe | - | 0.400 | 0.200 | 0.120 |" in plan_check.markdown(summary)
     limit = summary["memory_limit"]
     assert limit["said_to_fit"] == ["4x2x1/mb8/gpipe", "8x1x1/mb1/1f1b:dgc(d=1)"]
     assert limit["wrong"] == ["8x1x1/mb1/1f1b:dgc(d=1)"]  # 200 said, 250 measured

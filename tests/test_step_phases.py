@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from thinwire.bench.step_phases import StepPhases
+from thinwire.bench.step_phases import ALONE_REPEATS, StepPhases, exchange_alone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,3 +52,42 @@ def test_a_plain_optimizer_notes_only_its_step() -> None:
     optimizer.step()
     assert [kind for kind, _, _ in phases.events] == ["O", "O"]
     assert all(start <= end for _, start, end in phases.events)
+
+
+class Coordinate:
+    """Stands for a device mesh's ``pp`` dimension: this rank's stage."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    def get_local_rank(self) -> int:
+        return self.stage
+
+
+def test_the_exchange_alone_is_timed_together_and_by_stage_without_touching_the_timeline() -> None:
+    weight = torch.nn.Parameter(torch.ones(2))
+    wrapper = Wrapper(torch.optim.SGD([weight], lr=0.5))
+    trainer = SimpleNamespace(
+        optimizer=wrapper, plan=SimpleNamespace(dp=2, pp=3), mesh={"pp": Coordinate(1)}
+    )
+    phases = StepPhases(trainer)
+    wrapper.synchronize()
+    noted = list(phases.events)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        alone = exchange_alone(trainer, phases)
+    finally:
+        dist.destroy_process_group()
+    assert set(alone) == {"together", "by_stage"}
+    assert all(seconds >= 0.01 for seconds in alone.values())  # the exchange's own time
+    # one untimed and the timed repeats, each way; by stage only in this rank's turn
+    assert wrapper.synchronized == 1 + 2 * (ALONE_REPEATS + 1)
+    assert phases.events == noted  # the steps' timeline as it was
+    assert phases.seconds("X") == pytest.approx(noted[0][2] - noted[0][1])
+
+
+def test_no_exchange_alone_without_data_parallelism() -> None:
+    wrapper = Wrapper(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+    trainer = SimpleNamespace(optimizer=wrapper, plan=SimpleNamespace(dp=1, pp=2), mesh={})
+    assert exchange_alone(trainer, StepPhases(trainer)) == {}
+    assert wrapper.synchronized == 0

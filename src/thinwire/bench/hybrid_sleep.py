@@ -14,7 +14,8 @@ second real step, past the schedule's shape inference: under ``dp=1`` the sleepi
 must send the same). The step time is the median of the steps after the
 ``untimed_steps`` first (the steady state, which the planner predicts); the last step's
 timeline notes each compute, the data-parallel exchange and the optimizer step
-(:mod:`thinwire.bench.step_phases`).
+(:mod:`thinwire.bench.step_phases`); each rank's exchange is timed on every step, and once
+more after the steps outside any step (:func:`~thinwire.bench.step_phases.exchange_alone`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from typing import Any
 
 from thinwire.bench.sleeping_stages import capture_gradients, sleep_stages
-from thinwire.bench.step_phases import StepPhases
+from thinwire.bench.step_phases import StepPhases, exchange_alone
 from thinwire.bench.traffic import sent_now
 from thinwire.parallel import ParallelPlan, parallelize
 from thinwire.plan.activations import SavedActivations
@@ -101,7 +102,7 @@ def time_plan(
     real = sent_now() - before
     sleepers = sleep_stages(trainer, profiles, gradients)
     phases = StepPhases(trainer)
-    seconds, within, between = [], [], []
+    seconds, within, between, exchanges = [], [], [], []
     for _ in range(config.steps):
         before = sent_now()
         for sleeper in sleepers:
@@ -113,24 +114,28 @@ def time_plan(
         sent = sent_now() - before
         within.append(sent.within_host)
         between.append(sent.between_hosts)
+        exchanges.append(phases.seconds("X"))
+    timeline = [  # the last step's computes, from its start
+        (sleeper.profile.index, kind, begin - start, end - start)
+        for sleeper in sleepers
+        for kind, begin, end in sleeper.events
+    ] + [  # then its exchange and optimizer step (under this rank's first stage)
+        (sleepers[0].profile.index, kind, begin - start, end - start)
+        for kind, begin, end in phases.events
+    ]
+    alone = exchange_alone(trainer, phases)
     trainer.close()
     timed = slice(config.untimed_steps, None)
     return {
         "step_s": statistics.median(seconds[timed]),
         "steps_s": seconds,
+        "exchange_s": exchanges,
+        "exchange_alone_s": alone,
         "sent_within_host": statistics.mean(within[timed]),
         "sent_between_hosts": statistics.mean(between[timed]),
         "memory": rank_memory(trainer, saved.peak_bytes),
         "real_step_sent": real.within_host + real.between_hosts,
-        "timeline": [  # the last step's computes, from its start
-            (sleeper.profile.index, kind, begin - start, end - start)
-            for sleeper in sleepers
-            for kind, begin, end in sleeper.events
-        ]
-        + [  # then its exchange and optimizer step (under this rank's first stage)
-            (sleepers[0].profile.index, kind, begin - start, end - start)
-            for kind, begin, end in phases.events
-        ],
+        "timeline": timeline,
     }
 
 
@@ -193,6 +198,10 @@ def sleeping_record(
         "memory_per_rank": [r["memory"] for r in results],
         "peak_memory_bytes": max(r["memory"]["total"] for r in results),
         "timelines": [r.get("timeline", []) for r in results],
+        "exchange_s_per_rank": [  # inside the timed steps, median; then alone
+            statistics.median(r["exchange_s"][config.untimed_steps :]) for r in results
+        ],
+        "exchange_alone_s_per_rank": [r["exchange_alone_s"] for r in results],
     }
 
 

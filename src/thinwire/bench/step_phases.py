@@ -12,6 +12,7 @@ stages note.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,3 +56,42 @@ class StepPhases:
 
     def _optimizer_ends(self, *_: Any) -> None:
         self.events.append(("O", self._started, time.perf_counter()))
+
+    def seconds(self, kind: str) -> float:
+        """The seconds the events of ``kind`` noted so far took, together."""
+        return sum(end - start for noted, start, end in self.events if noted == kind)
+
+
+#: timed repeats of each way :func:`exchange_alone` runs the exchange (one more untimed)
+ALONE_REPEATS = 3
+
+
+def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
+    """This rank's data-parallel exchange of its last step's gradients, run again outside
+    any step, on every rank: the median seconds of ``"together"`` (every ``dp`` group at
+    once, as when every stage exchanges in the same moment) and ``"by_stage"`` (one
+    pipeline stage's groups at a time, the others waiting at a barrier). Beside the same
+    exchange inside the steps (``"X"``), it says whether a step's exchange took longer
+    than the exchange itself does on these groups (and so the cost model's exchange, which
+    is the latter, is short) or not. Empty under ``dp = 1``. It leaves ``phases`` as it
+    found it. Call it on every rank at once (it synchronizes them with barriers)."""
+    import torch.distributed as dist
+
+    if trainer.plan.dp == 1 or not hasattr(trainer.optimizer, "synchronize"):
+        return {}
+    kept = list(phases.events)
+    stage = trainer.mesh["pp"].get_local_rank()
+    medians = {}
+    for mode, turns in (("together", [None]), ("by_stage", range(trainer.plan.pp))):
+        seconds = []
+        for _ in range(ALONE_REPEATS + 1):
+            for turn in turns:
+                dist.barrier()
+                if turn is None or turn == stage:
+                    start = time.perf_counter()
+                    trainer.optimizer.synchronize()
+                    seconds.append(time.perf_counter() - start)
+        dist.barrier()
+        medians[mode] = statistics.median(seconds[1:])
+    phases.events[:] = kept
+    return medians
