@@ -228,9 +228,13 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     # each rank's exchange timed on every step, then alone outside the steps (dp=1: none)
     assert record["exchange_s_per_rank"] == [0.0] * 4
     assert record["exchange_alone_s_per_rank"] == [{}] * 4
+    assert record["exchange_split_s_per_rank"] == [[0.0, 0.0]] * 4
     assert all(s > 0 for s in data_parallel["exchange_s_per_rank"])
     for alone in data_parallel["exchange_alone_s_per_rank"]:
-        assert set(alone) == {"together", "by_stage"} and min(alone.values()) > 0
+        assert min(alone["together"], alone["by_stage"]) > 0
+        assert 0 < alone["together_communicate"] <= alone["together"]
+    for compress, communicate in data_parallel["exchange_split_s_per_rank"]:
+        assert compress > 0 and communicate > 0  # the engine's own split of each step
     assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
     assert record["step_s"] == statistics.median(record["steps_s"][1:])  # after the untimed
     # every rank's last step: its computes, then its optimizer step (dp=1: no exchange)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from thinwire.bench.step_phases import ALONE_REPEATS, StepPhases, exchange_alone
+from thinwire.bench.step_phases import ALONE_REPEATS, StepPhases, engine_split, exchange_alone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,8 +67,12 @@ class Coordinate:
 def test_the_exchange_alone_is_timed_together_and_by_stage_without_touching_the_timeline() -> None:
     weight = torch.nn.Parameter(torch.ones(2))
     wrapper = Wrapper(torch.optim.SGD([weight], lr=0.5))
+    stats = SimpleNamespace(compress_s=0.002, communicate_s=0.005)  # the engine's last step
     trainer = SimpleNamespace(
-        optimizer=wrapper, plan=SimpleNamespace(dp=2, pp=3), mesh={"pp": Coordinate(1)}
+        optimizer=wrapper,
+        plan=SimpleNamespace(dp=2, pp=3),
+        mesh={"pp": Coordinate(1)},
+        engine=SimpleNamespace(last_step=stats),
     )
     phases = StepPhases(trainer)
     wrapper.synchronize()
@@ -78,8 +82,13 @@ def test_the_exchange_alone_is_timed_together_and_by_stage_without_touching_the_
         alone = exchange_alone(trainer, phases)
     finally:
         dist.destroy_process_group()
-    assert set(alone) == {"together", "by_stage"}
-    assert all(seconds >= 0.01 for seconds in alone.values())  # the exchange's own time
+    assert set(alone) == {
+        f"{mode}{part}" for mode in ("together", "by_stage")
+        for part in ("", "_compress", "_communicate")
+    }  # fmt: skip
+    assert alone["together"] >= 0.01 and alone["by_stage"] >= 0.01  # the exchange's own time
+    assert alone["together_compress"] == alone["by_stage_compress"] == 0.002
+    assert alone["together_communicate"] == alone["by_stage_communicate"] == 0.005
     # one untimed and the timed repeats, each way; by stage only in this rank's turn
     assert wrapper.synchronized == 1 + 2 * (ALONE_REPEATS + 1)
     assert phases.events == noted  # the steps' timeline as it was
@@ -91,3 +100,10 @@ def test_no_exchange_alone_without_data_parallelism() -> None:
     trainer = SimpleNamespace(optimizer=wrapper, plan=SimpleNamespace(dp=1, pp=2), mesh={})
     assert exchange_alone(trainer, StepPhases(trainer)) == {}
     assert wrapper.synchronized == 0
+
+
+def test_the_engines_split_is_zero_without_an_engine_or_a_step() -> None:
+    assert engine_split(SimpleNamespace(engine=None)) == (0.0, 0.0)
+    assert engine_split(SimpleNamespace(engine=SimpleNamespace(last_step=None))) == (0.0, 0.0)
+    stats = SimpleNamespace(compress_s=0.25, communicate_s=0.5)
+    assert engine_split(SimpleNamespace(engine=SimpleNamespace(last_step=stats))) == (0.25, 0.5)

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from thinwire.bench.sleeping_stages import capture_gradients, sleep_stages
-from thinwire.bench.step_phases import StepPhases, exchange_alone
+from thinwire.bench.step_phases import StepPhases, engine_split, exchange_alone
 from thinwire.bench.traffic import sent_now
 from thinwire.parallel import ParallelPlan, parallelize
 from thinwire.plan.activations import SavedActivations
@@ -102,7 +102,7 @@ def time_plan(
     real = sent_now() - before
     sleepers = sleep_stages(trainer, profiles, gradients)
     phases = StepPhases(trainer)
-    seconds, within, between, exchanges = [], [], [], []
+    seconds, within, between, exchanges, splits = [], [], [], [], []
     for _ in range(config.steps):
         before = sent_now()
         for sleeper in sleepers:
@@ -115,6 +115,7 @@ def time_plan(
         within.append(sent.within_host)
         between.append(sent.between_hosts)
         exchanges.append(phases.seconds("X"))
+        splits.append(engine_split(trainer))
     timeline = [  # the last step's computes, from its start
         (sleeper.profile.index, kind, begin - start, end - start)
         for sleeper in sleepers
@@ -130,6 +131,7 @@ def time_plan(
         "step_s": statistics.median(seconds[timed]),
         "steps_s": seconds,
         "exchange_s": exchanges,
+        "exchange_split_s": splits,
         "exchange_alone_s": alone,
         "sent_within_host": statistics.mean(within[timed]),
         "sent_between_hosts": statistics.mean(between[timed]),
@@ -200,6 +202,13 @@ def sleeping_record(
         "timelines": [r.get("timeline", []) for r in results],
         "exchange_s_per_rank": [  # inside the timed steps, median; then alone
             statistics.median(r["exchange_s"][config.untimed_steps :]) for r in results
+        ],
+        "exchange_split_s_per_rank": [  # the engine's compress and communicate, medians
+            [
+                statistics.median(part[config.untimed_steps :])
+                for part in zip(*r["exchange_split_s"], strict=True)
+            ]
+            for r in results
         ],
         "exchange_alone_s_per_rank": [r["exchange_alone_s"] for r in results],
     }

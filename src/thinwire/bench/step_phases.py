@@ -66,6 +66,14 @@ class StepPhases:
 ALONE_REPEATS = 3
 
 
+def engine_split(trainer: Any) -> tuple[float, float]:
+    """The seconds the data-parallel engine's last step spent in memory and compressor
+    work and inside collectives (:class:`thinwire.comm.step_stats.StepStats`); zeros
+    without an engine (``dp = 1``) or before its first step."""
+    stats = trainer.engine.last_step if getattr(trainer, "engine", None) is not None else None
+    return (stats.compress_s, stats.communicate_s) if stats is not None else (0.0, 0.0)
+
+
 def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
     """This rank's data-parallel exchange of its last step's gradients, run again outside
     any step, on every rank: the median seconds of ``"together"`` (every ``dp`` group at
@@ -73,8 +81,10 @@ def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
     pipeline stage's groups at a time, the others waiting at a barrier). Beside the same
     exchange inside the steps (``"X"``), it says whether a step's exchange took longer
     than the exchange itself does on these groups (and so the cost model's exchange, which
-    is the latter, is short) or not. Empty under ``dp = 1``. It leaves ``phases`` as it
-    found it. Call it on every rank at once (it synchronizes them with barriers)."""
+    is the latter, is short) or not. Beside each, the engine's split of it
+    (:func:`engine_split`: ``"together_compress"``, ``"together_communicate"``, and the
+    same for ``"by_stage"``). Empty under ``dp = 1``. It leaves ``phases`` as it found it.
+    Call it on every rank at once (it synchronizes them with barriers)."""
     import torch.distributed as dist
 
     if trainer.plan.dp == 1 or not hasattr(trainer.optimizer, "synchronize"):
@@ -83,7 +93,7 @@ def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
     stage = trainer.mesh["pp"].get_local_rank()
     medians = {}
     for mode, turns in (("together", [None]), ("by_stage", range(trainer.plan.pp))):
-        seconds = []
+        seconds, splits = [], []
         for _ in range(ALONE_REPEATS + 1):
             for turn in turns:
                 dist.barrier()
@@ -91,7 +101,10 @@ def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
                     start = time.perf_counter()
                     trainer.optimizer.synchronize()
                     seconds.append(time.perf_counter() - start)
+                    splits.append(engine_split(trainer))
         dist.barrier()
         medians[mode] = statistics.median(seconds[1:])
+        medians[f"{mode}_compress"] = statistics.median(c for c, _ in splits[1:])
+        medians[f"{mode}_communicate"] = statistics.median(c for _, c in splits[1:])
     phases.events[:] = kept
     return medians
