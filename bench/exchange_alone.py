@@ -79,8 +79,8 @@ def main() -> None:
     summary = {"params": args.params, "bandwidth": args.bandwidth, "per_rank": per_rank}
     for mode in MODES:
         values = [r[mode] for r in (per_rank if mode.endswith("both") else per_rank[:4])]
-        summary[mode] = {"slowest_s": max(values), "median_s": statistics.median(values)}
         median = statistics.median(values)
+        summary[mode] = {"slowest_s": max(values), "median_s": median}
         print(f"{mode:14s} slowest rank {max(values):.3f} s, median {median:.3f} s")
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"saved to {args.out}")
