@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import time
 from types import SimpleNamespace
 
@@ -14,6 +15,18 @@ from thinwire.bench.step_phases import ALONE_REPEATS, StepPhases, engine_split, 
 pytestmark = pytest.mark.timeout(60)
 
 
+#: pages each synchronize of :class:`Wrapper` touches for the first time
+FRESH_PAGES = 64
+
+
+def touch_fresh_pages(count: int) -> None:
+    """Map ``count`` pages of new anonymous memory and write to each: one minor fault each."""
+    pages = mmap.mmap(-1, count * mmap.PAGESIZE)
+    for offset in range(0, count * mmap.PAGESIZE, mmap.PAGESIZE):
+        pages[offset] = 1
+    pages.close()
+
+
 class Wrapper:
     """Stands for thinwire's data-parallel wrapper: synchronize, then the inner step."""
 
@@ -22,6 +35,7 @@ class Wrapper:
         self.synchronized = 0
 
     def synchronize(self) -> None:
+        touch_fresh_pages(FRESH_PAGES)
         time.sleep(0.01)
         self.synchronized += 1
 
@@ -40,6 +54,7 @@ def test_the_exchange_and_the_optimizer_step_are_noted_in_order() -> None:
     (exchange, step) = phases.events
     assert exchange[0] == "X" and step[0] == "O"
     assert exchange[2] - exchange[1] >= 0.01  # the exchange's own time
+    assert phases.faults["X"] >= FRESH_PAGES and "O" not in phases.faults
     assert exchange[2] <= step[1] <= step[2]
 
 
@@ -84,8 +99,9 @@ def test_the_exchange_alone_is_timed_together_and_by_stage_without_touching_the_
         dist.destroy_process_group()
     assert set(alone) == {
         f"{mode}{part}" for mode in ("together", "by_stage")
-        for part in ("", "_compress", "_communicate")
+        for part in ("", "_compress", "_communicate", "_faults")
     }  # fmt: skip
+    assert alone["together_faults"] >= FRESH_PAGES and alone["by_stage_faults"] >= FRESH_PAGES
     assert alone["together"] >= 0.01 and alone["by_stage"] >= 0.01  # the exchange's own time
     assert alone["together_compress"] == alone["by_stage_compress"] == 0.002
     assert alone["together_communicate"] == alone["by_stage_communicate"] == 0.005

@@ -102,12 +102,13 @@ def time_plan(
     real = sent_now() - before
     sleepers = sleep_stages(trainer, profiles, gradients)
     phases = StepPhases(trainer)
-    seconds, within, between, exchanges, splits = [], [], [], [], []
+    seconds, within, between, exchanges, splits, faults = [], [], [], [], [], []
     for _ in range(config.steps):
         before = sent_now()
         for sleeper in sleepers:
             sleeper.events.clear()
         phases.events.clear()
+        phases.faults.clear()
         start = time.perf_counter()
         trainer.step(inputs, targets)
         seconds.append(time.perf_counter() - start)
@@ -116,6 +117,7 @@ def time_plan(
         between.append(sent.between_hosts)
         exchanges.append(phases.seconds("X"))
         splits.append(engine_split(trainer))
+        faults.append(phases.faults.get("X", 0))
     timeline = [  # the last step's computes, from its start
         (sleeper.profile.index, kind, begin - start, end - start)
         for sleeper in sleepers
@@ -133,6 +135,7 @@ def time_plan(
         "exchange_s": exchanges,
         "exchange_split_s": splits,
         "exchange_alone_s": alone,
+        "exchange_faults": faults,
         "sent_within_host": statistics.mean(within[timed]),
         "sent_between_hosts": statistics.mean(between[timed]),
         "memory": rank_memory(trainer, saved.peak_bytes),
@@ -211,6 +214,9 @@ def sleeping_record(
             for r in results
         ],
         "exchange_alone_s_per_rank": [r["exchange_alone_s"] for r in results],
+        "exchange_faults_per_rank": [  # minor page faults during the exchange, median
+            statistics.median(r["exchange_faults"][config.untimed_steps :]) for r in results
+        ],
     }
 
 

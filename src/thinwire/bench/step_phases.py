@@ -7,11 +7,13 @@ which part the model missed. :class:`StepPhases` notes, on one rank, when its tr
 averaged the gradients over the ``dp`` group (``"X"``: the optimizer wrapper's
 ``synchronize``) and when it stepped the wrapped optimizer (``"O"``), as
 ``(kind, start, end)`` in :attr:`StepPhases.events`, beside the computes the sleeping
-stages note.
+stages note, and how many minor page faults the process took meanwhile
+(:attr:`StepPhases.faults`: a fresh page of a buffer the exchange allocates costs one).
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ class StepPhases:
 
     def __init__(self, trainer: Any) -> None:
         self.events: list[tuple[str, float, float]] = []
+        self.faults: dict[str, int] = {}
         outer = trainer.optimizer
         inner = getattr(outer, "optimizer", outer)
         if hasattr(outer, "synchronize") and inner is not outer:
@@ -43,11 +46,13 @@ class StepPhases:
 
     def _timed(self, kind: str, call: Callable[[], None]) -> Callable[[], None]:
         def timed() -> None:
+            faults = minor_faults()
             start = time.perf_counter()
             try:
                 call()
             finally:
                 self.events.append((kind, start, time.perf_counter()))
+                self.faults[kind] = self.faults.get(kind, 0) + minor_faults() - faults
 
         return timed
 
@@ -60,6 +65,11 @@ class StepPhases:
     def seconds(self, kind: str) -> float:
         """The seconds the events of ``kind`` noted so far took, together."""
         return sum(end - start for noted, start, end in self.events if noted == kind)
+
+
+def minor_faults() -> int:
+    """The minor page faults this process (every thread of it) has taken so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 #: timed repeats of each way :func:`exchange_alone` runs the exchange (one more untimed)
@@ -83,7 +93,9 @@ def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
     than the exchange itself does on these groups (and so the cost model's exchange, which
     is the latter, is short) or not. Beside each, the engine's split of it
     (:func:`engine_split`: ``"together_compress"``, ``"together_communicate"``, and the
-    same for ``"by_stage"``). Empty under ``dp = 1``. It leaves ``phases`` as it found it.
+    same for ``"by_stage"``), and the minor page faults the process took meanwhile
+    (``"together_faults"``, ``"by_stage_faults"``). Empty under ``dp = 1``. It leaves
+    ``phases`` as it found it.
     Call it on every rank at once (it synchronizes them with barriers)."""
     import torch.distributed as dist
 
@@ -93,18 +105,21 @@ def exchange_alone(trainer: Any, phases: StepPhases) -> dict[str, float]:
     stage = trainer.mesh["pp"].get_local_rank()
     medians = {}
     for mode, turns in (("together", [None]), ("by_stage", range(trainer.plan.pp))):
-        seconds, splits = [], []
+        seconds, splits, faults = [], [], []
         for _ in range(ALONE_REPEATS + 1):
             for turn in turns:
                 dist.barrier()
                 if turn is None or turn == stage:
+                    before = minor_faults()
                     start = time.perf_counter()
                     trainer.optimizer.synchronize()
                     seconds.append(time.perf_counter() - start)
+                    faults.append(minor_faults() - before)
                     splits.append(engine_split(trainer))
         dist.barrier()
         medians[mode] = statistics.median(seconds[1:])
         medians[f"{mode}_compress"] = statistics.median(c for c, _ in splits[1:])
         medians[f"{mode}_communicate"] = statistics.median(c for _, c in splits[1:])
+        medians[f"{mode}_faults"] = statistics.median(faults[1:])
     phases.events[:] = kept
     return medians
