@@ -230,12 +230,14 @@ def test_sleeping_plans_send_what_the_model_and_the_real_step_send(tmp_path, mon
     assert record["exchange_alone_s_per_rank"] == [{}] * 4
     assert record["exchange_split_s_per_rank"] == [[0.0, 0.0]] * 4
     assert record["exchange_faults_per_rank"] == [0] * 4  # no exchange, nothing counted
+    # whether a dense exchange takes fresh pages is the allocator's choice: only the
+    # fields are checked here, the counts in test_step_phases.py
     assert len(data_parallel["exchange_faults_per_rank"]) == 4
     assert all(s > 0 for s in data_parallel["exchange_s_per_rank"])
     for alone in data_parallel["exchange_alone_s_per_rank"]:
         assert min(alone["together"], alone["by_stage"]) > 0
         assert 0 < alone["together_communicate"] <= alone["together"]
-        assert alone["together_faults"] >= 0 and alone["by_stage_faults"] >= 0
+        assert {"together_faults", "by_stage_faults"} <= set(alone)
     for compress, communicate in data_parallel["exchange_split_s_per_rank"]:
         assert compress > 0 and communicate > 0  # the engine's own split of each step
     assert len(record["steps_s"]) == 3 and record["tokens_per_s"] > 0
