@@ -273,12 +273,19 @@ def test_pipeline_messages_cross_hosts_on_one_link_the_stage_ranks_share():
     assert len(per_replica) == 4 and len(set(per_replica)) == 1
     stages = [StageCost(0.1, 0.2, activation_bytes=1_000_000)] * 2
     predicted = predict_plan(degrees, stages, probe)
+    # replicas (dp, tp): (0, 0), (0, 1), (1, 0), (1, 1); a replica's two tensor-parallel
+    # ranks start each pass together
     times = simulate(
         "1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message], replicas=4,
-        links=[per_replica],
+        links=[per_replica], together=[[0, 1], [2, 3]],
     )  # fmt: skip
     assert predicted.pipeline_s == pytest.approx(times.step_s)
     assert predicted.bubble_s == pytest.approx(times.step_s - 4 * 0.3)
+    apart = simulate(
+        "1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message], replicas=4,
+        links=[per_replica],
+    )  # fmt: skip
+    assert times.step_s > apart.step_s  # one that got its message first waits for its pair
     # four pipelines on one link wait for each other's messages; one alone does not
     alone = simulate("1f1b", 4, [StageTimes(0.1, 0.2)] * 2, [message], [message])
     assert times.step_s > alone.step_s + message.serialise_s
@@ -295,7 +302,8 @@ def test_a_shared_link_is_simulated_as_served_in_turn_as_the_probe_found_it():
     links = PlanOnLinks(degrees, probe)
     message, per_replica = links.message(0, 4194304)
     step = dict(schedule="1f1b", microbatches=4, stages=[StageTimes(0.1, 0.2)] * 2,
-                forward=[message], backward=[message], replicas=4, links=[per_replica])  # fmt: skip
+                forward=[message], backward=[message], replicas=4, links=[per_replica],
+                together=[[0, 1], [2, 3]])  # fmt: skip
     fluid, fifo = simulate(**step, sharing="fluid"), simulate(**step, sharing="fifo")
     assert fluid.step_s > fifo.step_s  # in step, every pipeline waits for all four
     assert simulate_shared(0.0, **step) == fluid and simulate_shared(1.0, **step) == fifo

@@ -161,3 +161,33 @@ def test_a_host_sends_forward_and_backward_through_one_uplink(sharing):
     shared = simulate("interleaved-1f1b", 8, stages, link, link, links=hosts, sharing=sharing)
     apart = simulate("interleaved-1f1b", 8, stages, link, link, links=pairs, sharing=sharing)
     assert shared.step_s > apart.step_s + 5  # messages each way wait for the other way's
+
+
+def test_tensor_parallel_ranks_start_each_pass_together():
+    # two replicas (a stage's two tensor-parallel ranks) share one link, in turn: the first
+    # replica's micro-batch arrives at 1.5 s, the second's at 2.5 s
+    stages = [StageTimes(0.5, 0.0)] * 2
+    forward, backward = [Message(1.0, 0.0)], [Message(0.0, 0.0)]
+    shared = {"replicas": 2, "links": [["host0-host1"] * 2]}
+    apart = simulate("gpipe", 2, stages, forward, backward, **shared)
+    together = simulate("gpipe", 2, stages, forward, backward, together=[[0, 1]], **shared)
+    # apart, the first runs ahead: its forward 1.5-2.0, its next message 2.5-3.5 (behind
+    # the second's first), its forward 3.5-4.0; the second's ends at 5.0
+    assert [e[3] for e in apart.timeline if e[:2] == (1, "F")] == [1.5, 3.5]
+    assert apart.step_s == pytest.approx(5.0)
+    # together, both start at 2.5 (the last arrival), ask for the next at 3.0, get it at 4.0
+    # and 5.0, and start it at 5.0: half a second longer
+    assert [e[3] for e in together.timeline if e[:2] == (1, "F")] == [2.5, 5.0]
+    assert together.step_s == pytest.approx(5.5)
+    # on links of their own the replicas keep step anyway: nothing changes
+    alone = simulate("gpipe", 2, stages, forward, backward, replicas=2)
+    assert simulate(
+        "gpipe", 2, stages, forward, backward, replicas=2, together=[[0, 1]]
+    ).step_s == pytest.approx(alone.step_s)
+
+
+@pytest.mark.parametrize("together", [[[0, 0]], [[0, 2]], [[0, 1], [1]]])
+def test_together_must_name_distinct_replicas(together):
+    stages = [StageTimes(0.5, 0.0)] * 2
+    with pytest.raises(ValueError, match="distinct replicas"):
+        simulate("gpipe", 2, stages, _free(2), _free(2), replicas=2, together=together)

@@ -403,6 +403,10 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     sharing = largest_sharing_group(
         len(links.replicas()), [per_replica for _, per_replica in crossings]
     )
+    pipelines = links.replicas()  # a stage's tensor-parallel ranks start each pass together
+    same_replica: dict[int, list[int]] = {}
+    for position, replica in enumerate(sharing):
+        same_replica.setdefault(pipelines[replica][0], []).append(position)
     pipeline = simulate_shared(
         in_turn_for(probe, [s.activation_bytes for s in stages[:-1]]),
         schedule=degrees.schedule,
@@ -412,6 +416,7 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
         backward=messages,
         replicas=len(sharing),
         links=[[per_replica[r] for r in sharing] for _, per_replica in crossings],
+        together=[group for group in same_replica.values() if len(group) > 1],
     )
     held = [range(k, count, pp) for k in range(pp)]  # each rank's stages
     # per pipeline rank: the exchange's time on the wire; its compression and the optimizer

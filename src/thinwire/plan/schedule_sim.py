@@ -174,6 +174,7 @@ def simulate(
     replicas: int = 1,
     links: Sequence[Sequence[Hashable]] | None = None,
     sharing: str = "fifo",
+    together: Sequence[Sequence[int]] = (),
 ) -> PipelineTimes:
     """One step of ``schedule`` over ``len(stages)`` pipeline ranks and ``microbatches``
     micro-batches; ``forward[b]`` and ``backward[b]`` are the messages across boundary
@@ -184,7 +185,11 @@ def simulate(
     ``"fifo"`` (one message at a time, in arrival order: the default) or ``"fluid"`` (the
     messages on a link progress together, each at its share:
     :mod:`thinwire.plan.fluid_wire`); the planner weighs the two by how the probe found
-    the link serving messages sent together (:mod:`thinwire.plan.shared_links`)."""
+    the link serving messages sent together (:mod:`thinwire.plan.shared_links`).
+    ``together``: sets of replicas whose ranks start each compute together, the
+    tensor-parallel ranks of one pipeline stage (a pass's first all-reduce waits for the
+    last of them, so none runs ahead on a message that reached it first); by default
+    every replica runs on its own."""
     if schedule not in SIMULATED_SCHEDULES:
         raise ValueError(
             f"the planner simulates the schedules {', '.join(SIMULATED_SCHEDULES)}, not "
@@ -209,6 +214,11 @@ def simulate(
         )
     if sharing not in ("fluid", "fifo"):
         raise ValueError(f"sharing is 'fluid' or 'fifo', not {sharing!r}")
+    coupled = [r for group in together for r in group]
+    if len(set(coupled)) != len(coupled) or not set(coupled) <= set(range(replicas)):
+        raise ValueError(
+            f"together names sets of distinct replicas among 0..{replicas - 1}, got {together!r}"
+        )
     ranks = 0
     if schedule == INTERLEAVED:
         if count % 2 or count < 4:
@@ -221,7 +231,7 @@ def simulate(
         if sharing == "fluid"
         else _Wire(forward, backward, links, ranks)
     )
-    return _EventLoop(schedule, microbatches, stages, wire, replicas, ranks).run()
+    return _EventLoop(schedule, microbatches, stages, wire, replicas, ranks, together).run()
 
 
 class _EventLoop:
@@ -235,6 +245,7 @@ class _EventLoop:
         wire: _Wire | FluidWire,
         replicas: int,
         ranks: int = 0,
+        together: Sequence[Sequence[int]] = (),
     ) -> None:
         self.schedule = schedule
         self.stages = stages
@@ -263,6 +274,13 @@ class _EventLoop:
         self.finished: set[tuple[int, int]] = set()
         self.events: list[tuple[float, int, str, object]] = []
         self.counter = itertools.count()
+        #: per replica, the replicas it starts each compute with (itself alone by default)
+        self.partners = {r: (r,) for r in range(replicas)}
+        for group in together:
+            self.partners.update(dict.fromkeys(group, tuple(group)))
+        self.computes = dict.fromkeys(self.actors, 0)  # computes each actor has reached
+        #: computes some partners reached, waiting for the rest: who, and what each runs
+        self.gates: dict[tuple, list[tuple[tuple[int, int], tuple]]] = {}
 
     def _push(self, when: float, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (when, next(self.counter), kind, payload))
@@ -319,24 +337,38 @@ class _EventLoop:
             latest = max(latest, end)
         return latest
 
+    def _compute(self, actor: tuple[int, int], op: tuple) -> None:
+        """Start ``actor``'s compute ``op`` at its clock; it runs on when that is done."""
+        replica, rank = actor
+        stage = op[4] if len(op) > 4 else rank  # interleaved: the stage it names
+        times = self.stages[stage]
+        seconds = {"F": times.forward_s, "R": times.recompute_s, "B": times.backward_s}[op[1]]
+        self.busy[actor] += seconds
+        if replica == 0:
+            start = self.clock[actor]
+            self.timeline.append((stage, op[1], op[2], start, start + seconds))
+        held = (replica, stage)
+        self.in_flight[held] += {"F": 1, "R": 0, "B": -1}[op[1]]
+        self.peak[held] = max(self.peak[held], self.in_flight[held])
+        self._push(self.clock[actor] + seconds, "run", actor)
+
     def _advance(self, actor: tuple[int, int], now: float) -> None:
         self.clock[actor] = max(self.clock[actor], now)
         replica, rank = actor
         for op in self.programs[actor]:
             if op[0] == "compute":
-                stage = op[4] if len(op) > 4 else rank  # interleaved: the stage it names
-                times = self.stages[stage]
-                seconds = {"F": times.forward_s, "R": times.recompute_s, "B": times.backward_s}[
-                    op[1]
-                ]
-                self.busy[actor] += seconds
-                if replica == 0:
-                    start = self.clock[actor]
-                    self.timeline.append((stage, op[1], op[2], start, start + seconds))
-                held = (replica, stage)
-                self.in_flight[held] += {"F": 1, "R": 0, "B": -1}[op[1]]
-                self.peak[held] = max(self.peak[held], self.in_flight[held])
-                self._push(self.clock[actor] + seconds, "run", actor)
+                partners = self.partners[replica]
+                gate = (partners, rank, self.computes[actor])
+                self.computes[actor] += 1
+                reached = self.gates.setdefault(gate, [])
+                reached.append((actor, op))
+                if len(reached) < len(partners):
+                    return  # the partners' "run" resumes it
+                del self.gates[gate]
+                start = max(self.clock[a] for a, _ in reached)
+                for who, what in reached:
+                    self.clock[who] = start
+                    self._compute(who, what)
                 return
             if op[0] == "post":
                 key = (replica, *op[1])
