@@ -400,12 +400,10 @@ def predict_plan(degrees: Degrees, stages: Sequence[StageCost], probe: LinkProbe
     ]
     crossings = [links.message(b, stages[b].activation_bytes) for b in range(count - 1)]
     messages = [message for message, _ in crossings]
-    sharing = largest_sharing_group(
-        len(links.replicas()), [per_replica for _, per_replica in crossings]
-    )
-    pipelines = links.replicas()  # a stage's tensor-parallel ranks start each pass together
+    pipelines = links.replicas()
+    sharing = largest_sharing_group(len(pipelines), [per_replica for _, per_replica in crossings])
     same_replica: dict[int, list[int]] = {}
-    for position, replica in enumerate(sharing):
+    for position, replica in enumerate(sharing):  # a stage's tensor-parallel ranks together
         same_replica.setdefault(pipelines[replica][0], []).append(position)
     pipeline = simulate_shared(
         in_turn_for(probe, [s.activation_bytes for s in stages[:-1]]),

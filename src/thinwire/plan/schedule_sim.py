@@ -358,6 +358,9 @@ class _EventLoop:
         for op in self.programs[actor]:
             if op[0] == "compute":
                 partners = self.partners[replica]
+                if len(partners) == 1:  # no partner to wait for (most plans: no gate)
+                    self._compute(actor, op)
+                    return
                 gate = (partners, rank, self.computes[actor])
                 self.computes[actor] += 1
                 reached = self.gates.setdefault(gate, [])
