@@ -129,6 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "time (a plan's first steps warm its ranks' memory and sockets; default 3)",
     )
     parser.add_argument(
+        "--step-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --plans --compute sleep: a plan whose first step says its --steps would "
+        "take longer than SECONDS warms up one step and is timed for as many as fit, at "
+        "least two (a sweep of slow links; default: every plan runs --steps)",
+    )
+    parser.add_argument(
         "--compute-speedup",
         type=float,
         default=1.0,
@@ -299,6 +308,7 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
             compute=args.compute,
             uplink_queue=args.uplink_queue,
             untimed_steps=args.untimed_steps,
+            step_budget_s=args.step_budget,
         )
     except (ValueError, TypeError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")

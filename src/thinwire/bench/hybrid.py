@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from thinwire.bench.step_budget import check_budget
 from thinwire.cluster import EmulatedCluster
 from thinwire.cluster.uplink import check_uplink_queue
 from thinwire.compress import compressor
@@ -64,6 +65,10 @@ class HybridConfig:
     first steps run slow while its ranks' memory and sockets warm up (on two emulated
     hosts the third step of a 27 M GPT still took up to 1.4x the steady one,
     docs/measurements.md); the planner predicts the steady state."""
+    step_budget_s: float | None = None
+    """Under ``compute="sleep"``: seconds of steps per plan. A plan whose first step says
+    its ``steps`` would take longer warms up one step and is timed for as many as fit, at
+    least two (:mod:`thinwire.bench.step_budget`); ``None``: every plan runs ``steps``."""
 
     def __post_init__(self) -> None:
         sizes = {plan.world_size for plan in self.plans}
@@ -89,6 +94,12 @@ class HybridConfig:
                 f"{self.untimed_steps + 3} or more (or fewer --untimed-steps)"
             )
         check_uplink_queue(self.uplink_queue)
+        check_budget(self.step_budget_s)
+        if self.step_budget_s is not None and self.compute != "sleep":
+            raise ValueError(
+                "--step-budget times plans on virtual accelerators: add --compute sleep, or "
+                "leave it out (real compute trains for --steps)"
+            )
         if self.compute not in ("real", "sleep"):
             raise ValueError(f"--compute must be real or sleep, got {self.compute!r}")
         if self.optimizer not in ("adamw", "sgd"):
@@ -285,12 +296,15 @@ def time_on_sleeping_ranks(
     ``shared``), then time it on ``pool``'s ranks as virtual accelerators."""
     from thinwire.bench.hybrid_sleep import profile, sleeping_record, time_plan
 
-    report(f"profiling {plan_label(plan)}'s stages, then {config.steps} sleeping steps")
+    budget = "" if config.step_budget_s is None else f" (within {config.step_budget_s:g} s)"
+    report(f"profiling {plan_label(plan)}'s stages, then {config.steps} sleeping steps{budget}")
     profiles = profile(config, plan, shared)
     results = pool.run(time_plan, config, plan, profiles, timeout=config.timeout_s)
     record = sleeping_record(config, plan, profiles, results)
+    ran = len(record["steps_s"])
+    cut = f" ({ran} steps, {record['untimed_steps']} untimed)" if ran < config.steps else ""
     report(
-        f"  {record['step_s']:.3f} s/step  {record['tokens_per_s']:.0f} tokens/s  between "
+        f"  {record['step_s']:.3f} s/step{cut}  {record['tokens_per_s']:.0f} tokens/s  between "
         f"hosts {record['sent_between_hosts'] / 1e6:.2f} MB/step (model "
         f"{record['modelled_between_hosts'] / 1e6:.2f})  within hosts "
         f"{record['sent_within_host'] / 1e6:.2f} MB/step (model "

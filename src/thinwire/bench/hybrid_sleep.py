@@ -12,7 +12,8 @@ counters, :mod:`thinwire.bench.traffic`), beside the cost model's count for the 
 pipeline's and tensor parallelism's traffic without the data-parallel exchange, at the
 second real step, past the schedule's shape inference: under ``dp=1`` the sleeping steps
 must send the same). The step time is the median of the steps after the
-``untimed_steps`` first (the steady state, which the planner predicts); the last step's
+``untimed_steps`` first (the steady state, which the planner predicts; fewer steps of both
+kinds for a plan over ``step_budget_s``, :mod:`thinwire.bench.step_budget`); the last step's
 timeline notes each compute, the data-parallel exchange and the optimizer step
 (:mod:`thinwire.bench.step_phases`); each rank's exchange is timed on every step, and once
 more after the steps outside any step (:func:`~thinwire.bench.step_phases.exchange_alone`).
@@ -25,6 +26,7 @@ import time
 from typing import Any
 
 from thinwire.bench.sleeping_stages import capture_gradients, sleep_stages
+from thinwire.bench.step_budget import StepCount, agreed_seconds, steps_within
 from thinwire.bench.step_phases import StepPhases, engine_split, exchange_alone
 from thinwire.bench.traffic import sent_now
 from thinwire.parallel import ParallelPlan, parallelize
@@ -103,7 +105,8 @@ def time_plan(
     sleepers = sleep_stages(trainer, profiles, gradients)
     phases = StepPhases(trainer)
     seconds, within, between, exchanges, splits, faults = [], [], [], [], [], []
-    for _ in range(config.steps):
+    count = StepCount(config.steps, config.untimed_steps)
+    while len(seconds) < count.steps:
         before = sent_now()
         for sleeper in sleepers:
             sleeper.events.clear()
@@ -118,6 +121,9 @@ def time_plan(
         exchanges.append(phases.seconds("X"))
         splits.append(engine_split(trainer))
         faults.append(phases.faults.get("X", 0))
+        if len(seconds) == 1 and config.step_budget_s is not None:
+            first = agreed_seconds(seconds[0])  # every rank runs rank 0's count
+            count = steps_within(first, config.steps, config.untimed_steps, config.step_budget_s)
     timeline = [  # the last step's computes, from its start
         (sleeper.profile.index, kind, begin - start, end - start)
         for sleeper in sleepers
@@ -126,10 +132,13 @@ def time_plan(
         (sleepers[0].profile.index, kind, begin - start, end - start)
         for kind, begin, end in phases.events
     ]
-    alone = exchange_alone(trainer, phases)
+    # run again outside the steps: skipped for a plan the budget cut short (a dozen more
+    # of its exchanges would take longer than its steps)
+    alone = {} if count.shortened else exchange_alone(trainer, phases)
     trainer.close()
-    timed = slice(config.untimed_steps, None)
+    timed = slice(count.untimed, None)
     return {
+        "untimed_steps": count.untimed,
         "step_s": statistics.median(seconds[timed]),
         "steps_s": seconds,
         "exchange_s": exchanges,
@@ -172,6 +181,7 @@ def sleeping_record(
     job = task(config.task, **config.task_options)
     tokens = job.batch_size * job.seq_len
     step_s = results[0]["step_s"]
+    untimed = results[0]["untimed_steps"]  # the same on every rank
     per_host = config.ranks_per_host if config.network == "emulated" else plan.world_size
     modelled = modelled_traffic(plan, profiles, per_host)
     return {
@@ -180,6 +190,7 @@ def sleeping_record(
         "compute": "sleep",
         "step_s": step_s,
         "steps_s": results[0]["steps_s"],
+        "untimed_steps": untimed,
         "tokens_per_s": tokens / step_s,
         "stage_compute_s": [
             {
@@ -204,18 +215,15 @@ def sleeping_record(
         "peak_memory_bytes": max(r["memory"]["total"] for r in results),
         "timelines": [r.get("timeline", []) for r in results],
         "exchange_s_per_rank": [  # inside the timed steps, median; then alone
-            statistics.median(r["exchange_s"][config.untimed_steps :]) for r in results
+            statistics.median(r["exchange_s"][untimed:]) for r in results
         ],
         "exchange_split_s_per_rank": [  # the engine's compress and communicate, medians
-            [
-                statistics.median(part[config.untimed_steps :])
-                for part in zip(*r["exchange_split_s"], strict=True)
-            ]
+            [statistics.median(part[untimed:]) for part in zip(*r["exchange_split_s"], strict=True)]
             for r in results
         ],
         "exchange_alone_s_per_rank": [r["exchange_alone_s"] for r in results],
         "exchange_faults_per_rank": [  # minor page faults during the exchange, median
-            statistics.median(r["exchange_faults"][config.untimed_steps :]) for r in results
+            statistics.median(r["exchange_faults"][untimed:]) for r in results
         ],
     }
 
