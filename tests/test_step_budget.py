@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from thinwire.bench import hybrid_sleep
 from thinwire.bench.hybrid import HybridConfig
-from thinwire.bench.step_budget import MIN_TIMED_STEPS, StepCount, steps_within
+from thinwire.bench.step_budget import MIN_TIMED_STEPS, WARM_UP_STEPS, StepCount, steps_within
 from thinwire.parallel.plan_spec import parse_plan
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,21 +25,23 @@ def test_a_plan_within_its_budget_or_without_one_runs_every_step() -> None:
     assert not steps_within(30.0, 8, 3, 240.0).shortened
 
 
-def test_a_plan_over_its_budget_warms_up_once_and_times_what_fits() -> None:
-    # 100 s a step: one to warm up, then the budget's 140 s hold one, but two are the least
-    assert steps_within(100.0, 8, 3, 240.0) == StepCount(3, 1, shortened=True)
-    assert MIN_TIMED_STEPS == 2
-    # 40 s a step: one to warm up, then five in the 200 s left
-    assert steps_within(40.0, 8, 3, 240.0) == StepCount(6, 1, shortened=True)
-    # 31 s: six would fit after the warm-up, but no more are timed than were asked for (5)
-    assert steps_within(31.0, 8, 3, 240.0) == StepCount(6, 1, shortened=True)
-    # asked for no warm-up: none is added
+def test_a_plan_over_its_budget_warms_up_twice_and_times_what_fits() -> None:
+    assert (MIN_TIMED_STEPS, WARM_UP_STEPS) == (2, 2)
+    # 100 s a step: two to warm up fill the budget, but two are timed at the least
+    assert steps_within(100.0, 8, 3, 240.0) == StepCount(4, 2, shortened=True)
+    # 40 s a step: two to warm up, then four in the 160 s left
+    assert steps_within(40.0, 8, 3, 240.0) == StepCount(6, 2, shortened=True)
+    # 25 s: eight would fit after the warm-up, but no more are timed than were asked for (5)
+    assert steps_within(25.0, 8, 3, 180.0) == StepCount(7, 2, shortened=True)
+    # asked for one warm-up step, or none: no more are added
+    assert steps_within(100.0, 8, 1, 240.0) == StepCount(3, 1, shortened=True)
     assert steps_within(100.0, 5, 0, 150.0) == StepCount(2, 0, shortened=True)
 
 
 def test_nothing_is_cut_from_a_plan_already_at_the_least() -> None:
-    count = steps_within(1000.0, 3, 1, 1.0)
-    assert count == StepCount(3, 1) and not count.shortened
+    for steps, untimed in ((4, 2), (3, 1)):
+        count = steps_within(1000.0, steps, untimed, 1.0)
+        assert count == StepCount(steps, untimed) and not count.shortened
 
 
 @pytest.mark.parametrize("budget", [0, -5.0, math.inf, math.nan, True, "240"])
@@ -79,17 +81,17 @@ def test_a_timed_plan_over_its_budget_runs_fewer_steps_and_skips_the_exchange_al
 
     def timed(budget: float | None) -> dict:
         config = HybridConfig(
-            task="gpt", plans=(plan,), steps=5, untimed_steps=2, compute="sleep",
+            task="gpt", plans=(plan,), steps=6, untimed_steps=3, compute="sleep",
             task_options=TINY, step_budget_s=budget,
         )  # fmt: skip
         profiles = hybrid_sleep.profile(config, plan)
         return hybrid_sleep.time_plan(0, 1, config, plan, profiles)
 
     asked = timed(None)
-    assert len(asked["steps_s"]) == 5 and asked["untimed_steps"] == 2
-    assert asked["step_s"] == statistics.median(asked["steps_s"][2:])
+    assert len(asked["steps_s"]) == 6 and asked["untimed_steps"] == 3
+    assert asked["step_s"] == statistics.median(asked["steps_s"][3:])
     assert alone == [1]  # timed alone once, as without a budget
-    cut = timed(1e-6)  # any step overruns it: one warm-up, two timed
-    assert len(cut["steps_s"]) == 3 and cut["untimed_steps"] == 1
-    assert cut["step_s"] == statistics.median(cut["steps_s"][1:])
+    cut = timed(1e-6)  # any step overruns it: two to warm up, two timed
+    assert len(cut["steps_s"]) == 4 and cut["untimed_steps"] == 2
+    assert cut["step_s"] == statistics.median(cut["steps_s"][2:])
     assert cut["exchange_alone_s"] == {} and alone == [1]  # not run again
