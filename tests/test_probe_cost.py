@@ -20,6 +20,7 @@ from thinwire.plan.hybrid_cost import (
 from thinwire.plan.network import Collective, collective_time
 from thinwire.plan.probe import (
     BACK_TO_BACK,
+    LARGEST_BYTES,
     Fit,
     LinkProbe,
     PointToPoint,
@@ -406,3 +407,19 @@ def test_replicas_that_share_a_hosts_uplink_are_simulated_together():
     assert largest_sharing_group(2, [[(1, 0), (2, 1)]]) == [0, 1]  # host 1 sends either way
     assert len(largest_sharing_group(2, [[(0, 1), (2, 3)]])) == 1
     assert len(largest_sharing_group(3, [["a", "b", "c"], ["a", "b", "c"]])) == 1
+
+
+def test_a_level_of_several_flows_is_measured_up_to_the_one_flow_level_s_largest_size():
+    def measure(nbytes: int, count: int) -> float:
+        return nbytes * 1e-7  # 64 KB: 6.6 ms; past the target at 4 MiB
+
+    alone = measured_sizes(measure, target_s=0.25)
+    assert [b for b, _ in alone] == [65536.0, 262144.0, 1048576.0, 4194304.0]
+    # four flows at once reach the target at 1 MiB; they go on to the size one flow reached
+    shared = [b for b, _ in measured_sizes(lambda n, c: 4 * measure(n, c), 0.25)]
+    assert shared == [65536.0, 262144.0, 1048576.0]
+    reached = measured_sizes(lambda n, c: 4 * measure(n, c), 0.25, at_least=alone[-1][0])
+    assert [b for b, _ in reached] == [b for b, _ in alone]
+    # never past the largest size a probe measures
+    capped = measured_sizes(measure, 0.25, at_least=4.0 * LARGEST_BYTES)
+    assert capped[-1][0] == LARGEST_BYTES
