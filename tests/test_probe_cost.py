@@ -9,6 +9,7 @@ import pytest
 from thinwire.launch import run_local
 from thinwire.parallel.interleaved_program import held_in_turn
 from thinwire.plan.cost import BucketCost, MethodCost
+from thinwire.plan.cpu_sharing import probe_slowdowns
 from thinwire.plan.hybrid_cost import (
     Degrees,
     PlanOnLinks,
@@ -102,7 +103,10 @@ def _skewed_allreduce_first_sample(rank: int) -> float:
 
 def _probe_on_loopback(rank: int, world: int) -> dict:
     probe = run_probe(ranks_per_host=2, target_s=0.02, repeats=1)
+    # a job of 1 s on every rank but the last (3 s), which runs it only with all four
+    uneven = probe_slowdowns(rank, world, 3, job=lambda: 3.0 if rank == 3 else 1.0)
     return {
+        "uneven": uneven,
         "skewed": _skewed_allreduce_first_sample(rank),
         "pairs": [p.pairs for p in probe.point_to_point],
         "intra": sorted(probe.intra_allreduce),
@@ -136,6 +140,8 @@ def test_the_probe_runs_on_every_rank_and_agrees():
     results = run_local(_probe_on_loopback, 4, timeout=200)
     assert all(r == results[0] for r in results)  # every rank returns the same probe
     first = results[0]
+    # the slowest rank's time, not rank 0's: rank 3 runs only with all four
+    assert first["uneven"] == {1: 1.0, 2: 1.0, 4: 3.0}
     assert first["pairs"] == [1, 2]  # one pair alone, then both ranks of host 0
     assert first["intra"] == [2] and first["inter"] == [1, 2]
     assert all(beta > 0 for beta in first["betas"])

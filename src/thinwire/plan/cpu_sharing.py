@@ -1,7 +1,8 @@
 """The CPU that ranks share: how much slower a rank's CPU work runs while others run theirs.
 
 The probe times an optimizer step on rank 0 alone and then with the first ``c`` ranks
-running it at once, for ``c`` = 2, 4, ... up to every rank (:func:`probe_slowdowns`). On
+running it at once, for ``c`` = 2, 4, ... up to every rank, the slowest of them
+(:func:`probe_slowdowns`). On
 a machine whose ranks share a few cores (the emulated cluster: eight ranks on two) the
 step is about four times slower with all eight; with two at once it is hardly slower.
 The job is an AdamW step over 8 M parameters (128 MB of weights, gradients and moments a
@@ -24,7 +25,6 @@ contention at its ends and approximates it between them.
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,22 +41,30 @@ def concurrency_levels(world: int) -> list[int]:
     return [*levels, world]
 
 
-def probe_slowdowns(rank: int, world: int, repeats: int) -> dict[int, float]:
-    """Rank 0's time for an 8 M-parameter AdamW step (two of them) with the first ``c``
-    ranks running it at once, over its time alone, for each of :func:`concurrency_levels`
-    (the median of ``repeats``). Collective: every rank calls it; all get rank 0's."""
+def probe_slowdowns(
+    rank: int, world: int, repeats: int, job: Callable[[], float] | None = None
+) -> dict[int, float]:
+    """The time for an 8 M-parameter AdamW step (two of them) with the first ``c`` ranks
+    running it at once, over rank 0's time alone, for each of :func:`concurrency_levels`:
+    per repeat the slowest of the ``c`` ranks (the step waits for the last of them, and
+    the ranks sharing the cores are not served evenly), then the median of ``repeats``.
+    Collective: every rank calls it; all get the same figures. ``job`` (run, return its
+    seconds) replaces the optimizer step, for tests."""
     import torch
     import torch.distributed as dist
 
-    weight = torch.nn.Parameter(torch.zeros(JOB_PARAMETERS))
-    weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    from thinwire.plan.probe import median_of_slowest
 
-    def job() -> float:
-        start = time.perf_counter()
-        for _ in range(2):
-            optimizer.step()
-        return time.perf_counter() - start
+    if job is None:
+        weight = torch.nn.Parameter(torch.zeros(JOB_PARAMETERS))
+        weight.grad = torch.ones_like(weight)
+        optimizer = torch.optim.AdamW([weight], lr=1e-3)
+
+        def job() -> float:
+            start = time.perf_counter()
+            for _ in range(2):
+                optimizer.step()
+            return time.perf_counter() - start
 
     job()  # warm up
     levels = concurrency_levels(world)
@@ -67,11 +75,18 @@ def probe_slowdowns(rank: int, world: int, repeats: int) -> dict[int, float]:
             if rank < c:
                 times[c].append(job())
     dist.barrier()
-    medians = [statistics.median(times[c]) if rank == 0 else 0.0 for c in levels]
-    shared = torch.tensor(medians, dtype=torch.float64)
-    dist.broadcast(shared, src=0)
-    alone = float(shared[0])
-    return {c: max(1.0, float(t) / alone) for c, t in zip(levels, shared, strict=True)}
+    mine = torch.tensor(  # this rank's time per (level, repeat); 0 where it sat out
+        [[times[c][r] if rank < c else 0.0 for r in range(repeats)] for c in levels],
+        dtype=torch.float64,
+    )
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    slowest = [
+        median_of_slowest([[float(t[k][r]) for t in every] for r in range(repeats)])
+        for k in range(len(levels))
+    ]
+    alone = slowest[0]
+    return {c: max(1.0, t / alone) for c, t in zip(levels, slowest, strict=True)}
 
 
 def slowdown_curve(
