@@ -95,3 +95,13 @@ def test_a_timed_plan_over_its_budget_runs_fewer_steps_and_skips_the_exchange_al
     assert len(cut["steps_s"]) == 4 and cut["untimed_steps"] == 2
     assert cut["step_s"] == statistics.median(cut["steps_s"][2:])
     assert cut["exchange_alone_s"] == {} and alone == [1]  # not run again
+
+
+def test_the_command_line_passes_the_budget_and_refuses_a_bad_one(capsys) -> None:
+    from thinwire.cli import main
+
+    sweep = ["bench", "--task", "gpt", "--plans", "2x1x1", "--steps", "8"]
+    assert main([*sweep, "--compute", "sleep", "--step-budget", "0"]) == 2
+    assert "--step-budget must be > 0 s" in capsys.readouterr().out
+    assert main([*sweep, "--step-budget", "60"]) == 2  # real compute: refused, not ignored
+    assert "add --compute sleep" in capsys.readouterr().out
