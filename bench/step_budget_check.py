@@ -29,7 +29,8 @@ def shortened_rows(paths: list[Path], budget_s: float, least_steps: int) -> list
         untimed = config.get("untimed_steps", 3)
         for record in data.get("records", []):
             steps = record.get("steps_s") or []
-            if len(steps) < least_steps:
+            # every step the run asked for (not one a budget already cut)
+            if len(steps) < least_steps or len(steps) != config.get("steps", len(steps)):
                 continue
             count = steps_within(steps[0], len(steps), untimed, budget_s)
             if not count.shortened:

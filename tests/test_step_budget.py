@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from thinwire.bench import hybrid_sleep
 from thinwire.bench.hybrid import HybridConfig
-from thinwire.bench.step_budget import MIN_TIMED_STEPS, WARM_UP_STEPS, StepCount, steps_within
+from thinwire.bench.step_budget import StepCount, steps_within
 from thinwire.parallel.plan_spec import parse_plan
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +26,6 @@ def test_a_plan_within_its_budget_or_without_one_runs_every_step() -> None:
 
 
 def test_a_plan_over_its_budget_warms_up_twice_and_times_what_fits() -> None:
-    assert (MIN_TIMED_STEPS, WARM_UP_STEPS) == (2, 2)
     # 100 s a step: two to warm up fill the budget, but two are timed at the least
     assert steps_within(100.0, 8, 3, 240.0) == StepCount(4, 2, shortened=True)
     # 40 s a step: two to warm up, then four in the 160 s left
@@ -60,6 +59,12 @@ def test_a_budget_needs_sleeping_compute_and_a_real_step_time() -> None:
         HybridConfig(task="gpt", plans=(parse_plan("2x1x1"),), steps=8, step_budget_s=60.0)
     with pytest.raises(ValueError, match="a step cannot take"):
         steps_within(-1.0, 8, 3, 60.0)
+    with pytest.raises(ValueError, match="4 steps leave none to time after 4 untimed"):
+        steps_within(1.0, 4, 4, 60.0)
+
+
+def test_a_plan_asked_for_one_timed_step_keeps_it_and_loses_a_warm_up_step() -> None:
+    assert steps_within(100.0, 4, 3, 120.0) == StepCount(3, 2, shortened=True)
 
 
 @pytest.fixture
@@ -95,6 +100,11 @@ def test_a_timed_plan_over_its_budget_runs_fewer_steps_and_skips_the_exchange_al
     assert len(cut["steps_s"]) == 4 and cut["untimed_steps"] == 2
     assert cut["step_s"] == statistics.median(cut["steps_s"][2:])
     assert cut["exchange_alone_s"] == {} and alone == [1]  # not run again
+    # the count follows rank 0's first step as every rank receives it, not its own
+    monkeypatch.setattr(hybrid_sleep, "agreed_seconds", lambda seconds: 0.0)
+    assert len(timed(1e-6)["steps_s"]) == 6  # rank 0 said its step took no time
+    monkeypatch.setattr(hybrid_sleep, "agreed_seconds", lambda seconds: 50.0)
+    assert len(timed(100.0)["steps_s"]) == 4  # 6 x 50 s: over, though this one was fast
 
 
 def test_the_command_line_passes_the_budget_and_refuses_a_bad_one(capsys) -> None:

@@ -134,8 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="with --plans --compute sleep: a plan whose first step says its --steps would "
-        "take longer than SECONDS warms up two steps and is timed for as many as fit, at "
-        "least two (a sweep of slow links; default: every plan runs --steps)",
+        "take longer than SECONDS warms up at most two steps and is timed for as many as "
+        "fit, at least two (a sweep of slow links; default: every plan runs --steps)",
     )
     parser.add_argument(
         "--compute-speedup",

@@ -67,8 +67,9 @@ class HybridConfig:
     docs/measurements.md); the planner predicts the steady state."""
     step_budget_s: float | None = None
     """Under ``compute="sleep"``: seconds of steps per plan. A plan whose first step says
-    its ``steps`` would take longer warms up two steps and is timed for as many as fit, at
-    least two (:mod:`thinwire.bench.step_budget`); ``None``: every plan runs ``steps``."""
+    its ``steps`` would take longer warms up at most two steps and is timed for as many as
+    fit, at least two (:mod:`thinwire.bench.step_budget`); ``None``: every plan runs
+    ``steps``."""
 
     def __post_init__(self) -> None:
         sizes = {plan.world_size for plan in self.plans}

@@ -16,7 +16,8 @@ must send the same). The step time is the median of the steps after the
 kinds for a plan over ``step_budget_s``, :mod:`thinwire.bench.step_budget`); the last step's
 timeline notes each compute, the data-parallel exchange and the optimizer step
 (:mod:`thinwire.bench.step_phases`); each rank's exchange is timed on every step, and once
-more after the steps outside any step (:func:`~thinwire.bench.step_phases.exchange_alone`).
+more after the steps outside any step (:func:`~thinwire.bench.step_phases.exchange_alone`;
+not for a plan the budget cut short).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def profile(
 def time_plan(
     rank: int, world: int, config: Any, plan: ParallelPlan, profiles: list[StageProfile]
 ) -> dict:
-    """On every rank: ``config.steps`` sleeping steps under ``plan``; this rank's record."""
+    """On every rank: ``config.steps`` sleeping steps under ``plan`` (fewer for a plan over
+    ``config.step_budget_s``, as rank 0's first step says); this rank's record."""
     from thinwire.bench.hybrid import optimizer_for, rank_memory
 
     job = task(config.task, **config.task_options)

@@ -6,10 +6,10 @@ a slow link the slowest plans take minutes a step (a dense exchange of a 25 M mo
 plans most of a day. Their steps are long enough that one is an average over thousands of
 packets. So with a budget, a plan whose first step says ``--steps`` of them would overrun
 it warms up for at most :data:`WARM_UP_STEPS` and is timed for as many steps as the budget
-holds after them, never fewer than :data:`MIN_TIMED_STEPS` and never more than it would
-have been without a budget. Two warm-up steps, not one: DDP rebuilds its buckets after the
-first step, and a dense 8x1x1 step at 100 Mbit/s took 17 s from the third step on but
-20-22 s in the second as in the first. Every rank must run the same steps: they agree on
+holds after them, never fewer than :data:`MIN_TIMED_STEPS` (or than were asked for, if
+fewer) and never more than it would have been without a budget. Two warm-up steps, not
+one: DDP rebuilds its buckets after the first step, and a dense 8x1x1 step at 100 Mbit/s
+took 17 s from the third step on but 20-22 s in the second as in the first. Every rank must run the same steps: they agree on
 the count from rank 0's first step (:func:`agreed_seconds`).
 """
 
@@ -55,6 +55,8 @@ def steps_within(
     which ``untimed`` are left out, within ``budget_s`` seconds of steps (``None``: no
     budget). Within the budget, or with nothing to cut, the plan runs as asked."""
     check_budget(budget_s)
+    if not 0 <= untimed < steps:
+        raise ValueError(f"{steps} steps leave none to time after {untimed} untimed ones")
     if not (first_step_s >= 0 and math.isfinite(first_step_s)):
         raise ValueError(f"a step cannot take {first_step_s} s")
     asked = StepCount(steps, untimed)
