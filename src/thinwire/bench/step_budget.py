@@ -1,16 +1,17 @@
 """How many steps a sleeping plan runs under ``thinwire bench --step-budget``.
 
-A sweep times every plan for ``--steps`` steps, the first ``--untimed-steps`` left out. On
-a slow link the slowest plans take minutes a step (a dense exchange of a 25 M model at
-10 Mbit/s: over a minute), and eight steps of each would take a sweep of a few hundred
-plans most of a day. Their steps are long enough that one is an average over thousands of
-packets. So with a budget, a plan whose first step says ``--steps`` of them would overrun
-it warms up for at most :data:`WARM_UP_STEPS` and is timed for as many steps as the budget
-holds after them, never fewer than :data:`MIN_TIMED_STEPS` (or than were asked for, if
-fewer) and never more than it would have been without a budget. Two warm-up steps, not
-one: DDP rebuilds its buckets after the first step, and a dense 8x1x1 step at 100 Mbit/s
-took 17 s from the third step on but 20-22 s in the second as in the first. Every rank must run the same steps: they agree on
-the count from rank 0's first step (:func:`agreed_seconds`).
+A sweep times every plan for ``--steps`` steps, the first ``--untimed-steps`` left out.
+On a slow link the slowest plans take minutes a step (a dense exchange of a 25 M model
+at 10 Mbit/s: over a minute), and eight steps of each would take a sweep of a few
+hundred plans most of a day. Their steps are long enough that one is an average over
+thousands of packets. So with a budget, a plan whose first step says ``--steps`` of them
+would overrun it warms up for at most :data:`WARM_UP_STEPS` and is timed for as many
+steps as the budget holds after them, never fewer than :data:`MIN_TIMED_STEPS` (or than
+were asked for, if fewer) and never more than it would have been without a budget. Two
+warm-up steps, not one: DDP rebuilds its buckets after the first step, and a dense 8x1x1
+step at 100 Mbit/s took 17 s from the third step on but 20-22 s in the second as in the
+first. Every rank must run the same steps: they agree on the count from rank 0's first
+step (:func:`agreed_seconds`).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ The probe times an optimizer step on rank 0 alone and then with the first ``c`` 
 running it at once, for ``c`` = 2, 4, ... up to every rank, the slowest of them
 (:func:`probe_slowdowns`). On a machine whose ranks share a few cores (the emulated
 cluster: eight ranks on two) the step is about four times slower with all eight; with
-two at once it is hardly slower. The job is an AdamW step over 8 M parameters (128 MB of weights, gradients and moments a
-rank), past the caches as a model shard's step is: one over 2 M parameters, as the probe
-timed before, read 3.1-4.2x with all eight ranks in four probes a minute apart, 8 M
-4.1-4.4x in four (16 M: 4.4-4.6x; docs/measurements.md, "The CPU the ranks share").
+two at once it is hardly slower. The job is an AdamW step over 8 M parameters (128 MB of
+weights, gradients and moments a rank), past the caches as a model shard's step is: one
+over 2 M parameters, as the probe timed before, read 3.1-4.2x with all eight ranks in
+four probes a minute apart, 8 M 4.1-4.4x in four (16 M: 4.4-4.6x; docs/measurements.md,
+"The CPU the ranks share").
 
 The cost model uses the curve where ranks do CPU work after the pipeline (the
 data-parallel compression and the optimizer step): a pipeline's stages end at different
