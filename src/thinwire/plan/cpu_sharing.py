@@ -53,7 +53,7 @@ def probe_slowdowns(
     import torch
     import torch.distributed as dist
 
-    from thinwire.plan.probe import median_of_slowest
+    from thinwire.plan.probe import slowest_rank_median
 
     if job is None:
         weight = torch.nn.Parameter(torch.zeros(JOB_PARAMETERS))
@@ -75,15 +75,8 @@ def probe_slowdowns(
             if rank < c:
                 times[c].append(job())
     dist.barrier()
-    mine = torch.tensor(  # this rank's time per (level, repeat); 0 where it sat out
-        [[times[c][r] if rank < c else 0.0 for r in range(repeats)] for c in levels],
-        dtype=torch.float64,
-    )
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    slowest = [
-        median_of_slowest([[float(t[k][r]) for t in every] for r in range(repeats)])
-        for k in range(len(levels))
+    slowest = [  # 0 where this rank sat out
+        slowest_rank_median(times[c] if rank < c else [0.0] * repeats) for c in levels
     ]
     alone = slowest[0]
     return {c: max(1.0, t / alone) for c, t in zip(levels, slowest, strict=True)}
