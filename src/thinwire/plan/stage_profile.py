@@ -262,10 +262,13 @@ def stage_of(world: _FakeWorld, plan: Any, blocks: range, first: bool, last: boo
 
 
 def in_fresh_process(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a fresh process (a core and a process group of its own)."""
+    """``fn(*args)`` in a fresh process (a core and a process group of its own), one such
+    profile at a time on this machine (:mod:`thinwire.plan.profile_lock`)."""
     from thinwire.plan.fresh_process import run_fresh
+    from thinwire.plan.profile_lock import profiling_alone
 
-    return run_fresh(fn, *args)
+    with profiling_alone():
+        return run_fresh(fn, *args)
 
 
 def _profile_in_fake_world(
