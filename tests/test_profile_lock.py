@@ -4,9 +4,12 @@ process the holder starts does not wait for it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +60,31 @@ def test_a_process_the_holder_starts_does_not_wait_for_it(tmp_path, monkeypatch)
         )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "in"
     assert "waiting" not in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_another_users_lock_file_is_taken_not_an_error():
+    """Root made the lock file (mode 0644); another user's profile opens it and locks it
+    (a forked child that drops to ``nobody``: it needs no interpreter of its own)."""
+    shared = Path(tempfile.mkdtemp(prefix="thinwire-lock-test-"))
+    try:
+        shared.chmod(0o1777)
+        lock = shared / "profile.lock"
+        with profiling_alone(lock):
+            pass
+        assert lock.stat().st_uid == 0
+        child = os.fork()
+        if child == 0:  # the child: drop to nobody, take the lock, report by exit code
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.environ.pop(HELD_ENV, None)
+                with profiling_alone(lock):
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another user could not take the lock"
+    finally:
+        shutil.rmtree(shared)

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 #: the environment variable that moves the lock file (default: the temporary directory)
 LOCK_ENV = "THINWIRE_PROFILE_LOCK"
@@ -32,6 +33,18 @@ def lock_path() -> Path:
     return Path(os.environ.get(LOCK_ENV) or Path(tempfile.gettempdir()) / "thinwire-profile.lock")
 
 
+def _open_shared(path: Path) -> Any:
+    """``path`` opened for reading, created first if missing: ``flock`` needs no more, and
+    another user's lock file (created by root, mode 0644) opens read-only where it would
+    not open for writing."""
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return open(path, "rb")
+
+
 @contextlib.contextmanager
 def profiling_alone(path: Path | None = None) -> Iterator[None]:
     """Hold the machine's profile lock (``path``, default :func:`lock_path`) for the block;
@@ -41,7 +54,7 @@ def profiling_alone(path: Path | None = None) -> Iterator[None]:
         yield
         return
     path = Path(path or lock_path())
-    with open(path, "a") as handle:
+    with _open_shared(path) as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
