@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 #: the environment variable that moves the lock file (default: the temporary directory)
 LOCK_ENV = "THINWIRE_PROFILE_LOCK"
@@ -33,7 +33,7 @@ def lock_path() -> Path:
     return Path(os.environ.get(LOCK_ENV) or Path(tempfile.gettempdir()) / "thinwire-profile.lock")
 
 
-def _open_shared(path: Path) -> Any:
+def _open_shared(path: Path) -> BinaryIO:
     """``path`` opened for reading, created first if missing: ``flock`` needs no more, and
     another user's lock file (created by root, mode 0644) opens read-only where it would
     not open for writing."""
