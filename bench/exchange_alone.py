@@ -11,7 +11,7 @@ exchange: buckets, the all-reduce, the gradients written back), with both hosts'
 at once (``both``) or only the first host's (``one_host``). The median of five timed
 repeats (one before them untimed), per rank; printed: the slowest rank's and the median.
 What it is for: the planner's exchange of such a stage against the same exchange inside a
-sweep's step (docs/measurements.md).
+sweep's step (docs/planner-measurements.md).
 """
 
 from __future__ import annotations

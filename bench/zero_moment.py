@@ -6,7 +6,7 @@ Prints the median time of ``torch.sqrt`` over 4 M values that are random positiv
 or 1 % nonzero, and of AdamW's step over 27 M parameters fed ten times with dense
 gradients or with gradients 1 % nonzero (what DGC's averages look like), each after a
 warm-up. Adam's second moment stays zero wherever no gradient arrived, and it takes the
-moment's square root every step (docs/measurements.md, issue 27, afternoon).
+moment's square root every step (docs/planner-measurements.md, the afternoon of 2026-11-28).
 """
 
 from __future__ import annotations
