@@ -81,7 +81,7 @@ def test_the_anchor_of_a_heading_is_githubs():
     assert slug("Every plan at 100 Mbit/s (issue 27, 2026-11-29)") == (
         "every-plan-at-100-mbits-issue-27-2026-11-29"
     )
-    assert slug("Automatic plans: `thinwire plan --model` and `parallelize(model, \"auto\")`") == (
+    assert slug('Automatic plans: `thinwire plan --model` and `parallelize(model, "auto")`') == (
         "automatic-plans-thinwire-plan---model-and-parallelizemodel-auto"
     )
 

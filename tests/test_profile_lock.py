@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from thinwire.errors import ThinwireError
 from thinwire.plan.profile_lock import HELD_ENV, LOCK_ENV, profiling_alone
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,3 +89,13 @@ def test_another_users_lock_file_is_taken_not_an_error():
         assert os.waitstatus_to_exitcode(status) == 0, "another user could not take the lock"
     finally:
         shutil.rmtree(shared)
+
+
+@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+def test_a_lock_path_that_cannot_be_opened_names_it_and_the_variable(tmp_path, monkeypatch, where):
+    lock = tmp_path / "no-such-folder" / "profile.lock" if where == "missing folder" else tmp_path
+    monkeypatch.delenv(HELD_ENV, raising=False)
+    with pytest.raises(ThinwireError, match=LOCK_ENV) as raised, profiling_alone(lock):
+        pytest.fail("the block ran without the lock")
+    assert str(lock) in str(raised.value)
+    assert HELD_ENV not in os.environ

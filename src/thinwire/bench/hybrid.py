@@ -64,7 +64,7 @@ class HybridConfig:
     """Under ``compute="sleep"``: the first steps, left out of the step time. A plan's
     first steps run slow while its ranks' memory and sockets warm up (on two emulated
     hosts the third step of a 27 M GPT still took up to 1.4x the steady one,
-    docs/measurements.md); the planner predicts the steady state."""
+    docs/planner-measurements.md); the planner predicts the steady state."""
     step_budget_s: float | None = None
     """Under ``compute="sleep"``: seconds of steps per plan. A plan whose first step says
     its ``steps`` would take longer warms up at most two steps and is timed for as many as

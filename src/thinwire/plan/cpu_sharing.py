@@ -7,7 +7,7 @@ cluster: eight ranks on two) the step is about four times slower with all eight;
 two at once it is hardly slower. The job is an AdamW step over 8 M parameters (128 MB of
 weights, gradients and moments a rank), past the caches as a model shard's step is: one
 over 2 M parameters, as the probe timed before, read 3.1-4.2x with all eight ranks in
-four probes a minute apart, 8 M 4.1-4.4x in four (16 M: 4.4-4.6x; docs/measurements.md,
+four probes a minute apart, 8 M 4.1-4.4x in four (16 M: 4.4-4.6x; docs/planner-measurements.md,
 "The CPU the ranks share").
 
 The cost model uses the curve where ranks do CPU work after the pipeline (the

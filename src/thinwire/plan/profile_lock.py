@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from thinwire.errors import ThinwireError
+
 #: the environment variable that moves the lock file (default: the temporary directory)
 LOCK_ENV = "THINWIRE_PROFILE_LOCK"
 #: set while this process holds the lock; its children see it and do not wait for it
@@ -38,11 +40,19 @@ def _open_shared(path: Path) -> BinaryIO:
     another user's lock file (created by root, mode 0644) opens read-only where it would
     not open for writing."""
     try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        return open(path, "rb")
+        try:
+            return open(path, "rb")
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return open(path, "rb")
+    except OSError as error:
+        raise ThinwireError(
+            f"cannot open the profile lock file {path}: {error.strerror or error}. Set "
+            f"{LOCK_ENV} to a file in a folder this user can write (for example "
+            f"{LOCK_ENV}=$HOME/.thinwire-profile.lock); every thinwire process on the machine "
+            f"must name the same file for profiles to wait for each other"
+        ) from error
 
 
 @contextlib.contextmanager
