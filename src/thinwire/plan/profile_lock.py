@@ -38,7 +38,8 @@ def lock_path() -> Path:
 def _open_shared(path: Path) -> BinaryIO:
     """``path`` opened for reading, created first if missing: ``flock`` needs no more, and
     another user's lock file (created by root, mode 0644) opens read-only where it would
-    not open for writing."""
+    not open for writing. A path that cannot be opened (a missing folder, a folder, no
+    permission) raises a :class:`~thinwire.errors.ThinwireError` naming it and :data:`LOCK_ENV`."""
     try:
         try:
             return open(path, "rb")
