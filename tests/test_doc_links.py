@@ -69,7 +69,7 @@ def broken_links(document: Path) -> list[str]:
     for number, target in links(document):
         path_part, _, anchor = target.partition("#")
         linked = (document.parent / path_part).resolve() if path_part else document
-        where = f"{document.relative_to(ROOT)}:{number}: {target}"
+        where = f"{document.name}:{number}: {target}"
         if not linked.exists():
             broken.append(f"{where} (no file {path_part})")
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
@@ -91,6 +91,9 @@ def test_a_missing_heading_is_found(tmp_path):
     page.write_text("# Title\n\nSee [it](#title), [gone](#gone) and `[code](#not-a-link)`.\n")
     assert anchors(page) == {"title"}
     assert [target for _, target in links(page)] == ["#title", "#gone"]
+    assert broken_links(page) == ["page.md:3: #gone (no heading with anchor #gone in page.md)"]
+    page.write_text("[there](page.md#title) [elsewhere](missing.md)\n# Title\n")
+    assert broken_links(page) == ["page.md:1: missing.md (no file missing.md)"]
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: path.name)
