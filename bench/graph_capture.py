@@ -24,7 +24,13 @@ the captured step's random draws (DGC's sample offset is drawn on the host and i
 into the graph: replays past the second are for timing only); the engine's step counter,
 statistics and the report of a refused step to the host (a pinned copy and an event,
 skipped while capturing here) do not move. A failed capture is a result too: the error
-and the line it came from say what stands in the way.
+and the line it came from say what stands in the way (``thread_local``, the default
+``--mode``, stops a capture at the first call that cannot be captured, on this thread).
+
+``--collectives local`` takes NCCL out: the world of one's collectives become what they
+leave in their tensors (an all-reduce leaves its tensor, an all-gather copies its input),
+so that thinwire's own math is captured alone; ``nccl-only`` (a method name here) captures
+one NCCL all-reduce and all-gather and nothing of thinwire.
 """
 
 from __future__ import annotations
@@ -59,7 +65,83 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "topk": {"density": 0.01},
     "onebit": {},
     "terngrad": {},
+    "nccl-only": {},
 }
+
+
+class _Done:
+    """What a local collective returns where an asynchronous one was asked for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def local_collectives() -> None:
+    """Replace ``torch.distributed``'s collectives by what a world of one's leave in their
+    tensors, so that nothing of NCCL is captured."""
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kw: Any) -> Any:
+        return _Done() if async_op else None
+
+    def broadcast(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kw: Any) -> Any:
+        return _Done() if async_op else None
+
+    def all_gather_into_tensor(
+        output: torch.Tensor, input: torch.Tensor, *args: Any, async_op: bool = False, **kw: Any
+    ) -> Any:
+        output.view(-1).copy_(input.reshape(-1))
+        return _Done() if async_op else None
+
+    def all_gather(
+        outputs: list[torch.Tensor], input: torch.Tensor, *args: Any, async_op: bool = False,
+        **kw: Any,
+    ) -> Any:  # fmt: skip
+        outputs[0].copy_(input)
+        return _Done() if async_op else None
+
+    dist.all_reduce, dist.broadcast = all_reduce, broadcast
+    dist.all_gather_into_tensor, dist.all_gather = all_gather_into_tensor, all_gather
+
+
+def nccl_only(mode: str) -> dict[str, Any]:
+    """One NCCL all-reduce and one all-gather captured, replayed and checked."""
+    x = torch.arange(1024, dtype=torch.float32, device="cuda")
+    gathered = torch.empty_like(x)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    row: dict[str, Any] = {"method": "nccl-only"}
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode=mode):
+            dist.all_reduce(x)
+            dist.all_gather_into_tensor(gathered, x)
+    except Exception as error:
+        return {**row, **failure(error)}
+    x.copy_(torch.arange(1024, dtype=torch.float32, device="cuda") * 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = torch.arange(1024, dtype=torch.float32, device="cuda") * 2
+    row["captured"] = True
+    row["replay_equal"] = [bool(torch.equal(x, expected) and torch.equal(gathered, expected))]
+    return row
+
+
+def failure(error: BaseException) -> dict[str, Any]:
+    """A failed capture's row fields: the error and the frames it came through."""
+    return {
+        "captured": False,
+        "error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+        "where": [
+            line
+            for line in traceback.format_exc().strip().splitlines()
+            if line.startswith("  File") or line.startswith("    ")
+        ][-24:],
+    }
+
+
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class ProbeRefusal(DeviceRefusal):
@@ -68,7 +150,7 @@ class ProbeRefusal(DeviceRefusal):
 
     def settle(self, step: int, flags: list[torch.Tensor]) -> torch.Tensor:
         """As :meth:`DeviceRefusal.settle`; while capturing, the flag alone."""
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing():
             return super().settle(step, flags)
         flags = [flag.reshape(()).bool() for flag in flags]
         refused = flags[0] if len(flags) == 1 else torch.stack(flags).any()
@@ -77,7 +159,7 @@ class ProbeRefusal(DeviceRefusal):
 
     def poll(self) -> None:
         """As :meth:`DeviceRefusal.poll`, except while capturing (nothing to report)."""
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing():
             super().poll()
 
 
@@ -111,8 +193,11 @@ def gradients(numel: int, steps: int, device: torch.device) -> list[torch.Tensor
     return [(torch.randn(numel, generator=generator) * 1e-2).to(device) for _ in range(steps)]
 
 
-def probe(method: str, warmup: int, timed: int) -> dict[str, Any]:
-    """Steps 1-4 of the module docstring for ``method``, in this process."""
+def probe(method: str, warmup: int, timed: int, mode: str) -> dict[str, Any]:
+    """Steps 1-4 of the module docstring for ``method``, in this process; ``mode``: the
+    capture's error mode."""
+    if method == "nccl-only":
+        return nccl_only(mode)
     device = torch.device("cuda", 0)
     a, b = Bucket(method, device), Bucket(method, device)
     grads = gradients(a.flat.numel(), 4, device)
@@ -126,14 +211,11 @@ def probe(method: str, warmup: int, timed: int) -> dict[str, Any]:
     try:
         for _parity in range(2):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+            with torch.cuda.graph(graph, capture_error_mode=mode):
                 outs.append(b.step())
             graphs.append(graph)
     except Exception as error:  # what stands in the way of a capture is the finding
-        row["captured"] = False
-        row["error"] = f"{type(error).__name__}: {error}"
-        row["where"] = traceback.format_exc().strip().splitlines()[-12:]
-        return row
+        return {**row, **failure(error)}
     row["captured"] = True
     equal, largest = [], []
     for parity in range(2):  # the two captured steps against A's same two steps
@@ -170,14 +252,16 @@ def probe(method: str, warmup: int, timed: int) -> dict[str, Any]:
     return row
 
 
-def one(method: str, warmup: int, timed: int) -> dict[str, Any]:
-    """:func:`probe` in a world of one on NCCL."""
+def one(method: str, warmup: int, timed: int, mode: str, collectives: str) -> dict[str, Any]:
+    """:func:`probe` in a world of one on NCCL (``collectives="local"``: without it)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    if collectives == "local":
+        local_collectives()
     try:
-        return probe(method, warmup, timed)
+        return {**probe(method, warmup, timed, mode), "mode": mode, "collectives": collectives}
     finally:
         dist.destroy_process_group()
 
@@ -189,26 +273,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--timed", type=int, default=40)
     parser.add_argument("--limit", type=float, default=120.0, help="seconds per method")
+    parser.add_argument(
+        "--mode", default="thread_local", choices=["global", "thread_local", "relaxed"]
+    )
+    parser.add_argument("--collectives", default="nccl", choices=["nccl", "local"])
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's method
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graph_capture.py needs a CUDA device: it probes CUDA graphs")
     if args.one:
-        print(json.dumps(one(args.one, args.warmup, args.timed)))
+        print(json.dumps(one(args.one, args.warmup, args.timed, args.mode, args.collectives)))
         return
     rows = []
     for method in args.methods.split(","):
         if method not in OPTIONS:
             raise SystemExit(f"unknown method {method!r}; one of {', '.join(OPTIONS)}")
         command = [sys.executable, __file__, "--one", method, "--warmup", str(args.warmup)]
-        command += ["--timed", str(args.timed)]
+        command += ["--timed", str(args.timed), "--mode", args.mode]
+        command += ["--collectives", args.collectives]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit)
             lines = done.stdout.strip().splitlines()
             row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
                 "method": method, "captured": False, "error": f"exit {done.returncode}",
-                "where": done.stderr.strip().splitlines()[-12:],
+                "where": done.stderr.strip().splitlines()[-30:],
             }  # fmt: skip
         except subprocess.TimeoutExpired:
             row = {"method": method, "captured": False, "error": f"over {args.limit} s"}
