@@ -759,3 +759,16 @@ def test_sleeping_ranks_calibrate_compression_by_their_cpu_not_the_sleeps() -> N
     assert runner.sleeping_cpu_scale(sleeping, {}, profiled) is None
     real = BenchConfig(task="digits", methods=parse_methods("dgc"))
     assert runner.sleeping_cpu_scale(real, record, profiled) is None
+
+
+def test_a_failed_plans_error_prints_as_it_is_not_as_markup() -> None:
+    """gloo's messages quote ``[file:line]``, which rich reads as a closing tag: printed as
+    markup it raised and ended the sweep, losing the plans after the failed one."""
+    from thinwire.bench.command import plain_printer
+
+    message = "  2x1x4/mb1 failed: [/__w/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+    console = Console(file=io.StringIO(), width=200)
+    plain_printer(console)(message)
+    assert console.file.getvalue().strip() == message.strip()
+    with pytest.raises(Exception, match="closing tag"):
+        Console(file=io.StringIO(), width=200).print(message)

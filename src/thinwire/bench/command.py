@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def plain_printer(console: Console) -> Callable[[str], None]:
+    """``console.print`` for text that is not markup: a failed plan's error quotes PyTorch's
+    and gloo's messages, whose ``[file:line]`` rich would read as a closing tag (and raise,
+    ending the sweep with the plans after it unrun)."""
+
+    def report(text: str) -> None:
+        console.print(text, markup=False)
+
+    return report
+
+
 def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
     """``thinwire bench --plans``: train hybrid-parallel plans side by side (real compute)."""
     from thinwire.bench.hybrid import HybridConfig, plot_losses, run_hybrid
@@ -315,7 +327,7 @@ def run_plans_from_args(args: argparse.Namespace, console: Console) -> int:
         return 2
     out = Path(args.out)
     try:
-        sweep = run_hybrid(config, out, console.print)
+        sweep = run_hybrid(config, out, plain_printer(console))
     except (RuntimeError, OSError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 1
