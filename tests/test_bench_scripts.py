@@ -167,3 +167,19 @@ def test_fashion_subset_cuts_and_tiles_back_to_the_full_training_set(tmp_path: P
     refused = subprocess.run([*script, "cut", DEFAULT_DIR, str(small), "7000"], timeout=120,
                              capture_output=True, text=True)  # fmt: skip
     assert refused.returncode != 0 and "divide 60000" in refused.stderr
+
+
+def test_tcp_counters_reads_the_kernels_pairs_of_lines() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tcp_counters", BENCH / "tcp_counters.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    netstat = (
+        "TcpExt: SyncookiesSent TCPTimeouts TCPRetransFail\nTcpExt: 0 1909 192789\n"
+        "IpExt: InNoRoutes\nIpExt: 7\n"
+    )
+    snmp = "Tcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 7635676 445141\n"
+    assert module.parse(netstat) == {"TCPTimeouts": 1909, "TCPRetransFail": 192789}
+    assert module.parse(snmp) == {"OutSegs": 7635676, "RetransSegs": 445141}
