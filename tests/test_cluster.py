@@ -134,13 +134,19 @@ def test_a_killed_forwarder_leaves_namespaces_that_the_next_up_removes() -> None
 def test_command_line_up_run_down() -> None:
     thinwire = [sys.executable, "-m", "thinwire.cli"]
     up = subprocess.run(
-        [*thinwire, "cluster", "up", "--hosts", "2", "--bandwidth", "50mbit", "--tag", "clitst"],
+        [*thinwire, "cluster", "up", "--hosts", "2", "--bandwidth", "50mbit", "--tag", "clitst",
+         "--uplink-queue", "64"],
         capture_output=True,
         text=True,
         timeout=60,
-    )
+    )  # fmt: skip
     try:
         assert up.returncode == 0, up.stdout + up.stderr
+        assert "uplink queues of 64 packets" in " ".join(up.stdout.split())
+        attached = EmulatedCluster.attach("clitst")
+        assert attached.describe()["uplink_queue_packets"] == 64
+        packets = _uplink_queue_s(attached) * attached.rate_bps / 8 / attached.mtu
+        assert packets == pytest.approx(64, rel=0.01)
         run = subprocess.run(
             [
                 *thinwire,

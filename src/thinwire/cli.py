@@ -64,14 +64,19 @@ def _cluster(args: argparse.Namespace) -> int:
         if args.action == "up":
             cluster = EmulatedCluster(
                 args.hosts, args.bandwidth, args.latency, tag=args.tag,
-                ranks_per_host=args.ranks_per_host,
+                ranks_per_host=args.ranks_per_host, uplink_queue=args.uplink_queue,
             )  # fmt: skip
             cluster.up(daemon=True)
+            queue = (
+                f"uplink queues of {args.uplink_queue} packets"
+                if args.uplink_queue
+                else "uplink queues of 10 ms"
+            )
             console.print(
                 f"cluster [bold]{cluster.tag}[/] is up: {args.hosts} hosts "
                 f"{', '.join(h.address for h in cluster.hosts)} of {args.ranks_per_host} "
-                f"rank(s) each, {args.bandwidth} links, {args.latency} one-way latency, MTU "
-                f"{cluster.mtu}.\nRun every rank: thinwire cluster run -- python train.py; "
+                f"rank(s) each, {args.bandwidth} links, {args.latency} one-way latency, {queue}, "
+                f"MTU {cluster.mtu}.\nRun every rank: thinwire cluster run -- python train.py; "
                 "stop it: thinwire cluster down"
             )
         elif args.action == "run":
@@ -223,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="processes per host, sharing its loopback (default 1)",
+    )
+    up.add_argument(
+        "--uplink-queue",
+        type=int,
+        default=None,
+        help="packets each host's uplink queue holds (default: 10 ms of the link, 8 packets "
+        "at 10 Mbit/s, where several bulk flows a way drop; 64 keeps them)",
     )
     run = actions.add_parser("run", help="run CMD as every rank: thinwire cluster run -- CMD")
     run.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")

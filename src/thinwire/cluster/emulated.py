@@ -318,6 +318,7 @@ class EmulatedCluster:
             "ranks_per_host": self.ranks_per_host,
             "bandwidth": self.bandwidth,
             "latency": self.latency,
+            "uplink_queue": self.uplink_queue,
             "forwarder_pid": self.forwarder_pid,
         }
         (STATE_DIR / f"{self.tag}.json").write_text(json.dumps(state))
@@ -348,6 +349,7 @@ class EmulatedCluster:
         cluster = cls(
             state["hosts"], state["bandwidth"], state["latency"], tag=tag,
             ranks_per_host=state.get("ranks_per_host", 1),
+            uplink_queue=state.get("uplink_queue"),
         )  # fmt: skip
         cluster.forwarder_pid = state["forwarder_pid"]
         return cluster
@@ -361,6 +363,7 @@ class EmulatedCluster:
             "bandwidth_bps": self.rate_bps,
             "latency_s": self.latency_s,
             "mtu": self.mtu,
+            "uplink_queue_packets": self.uplink_queue,
             "addresses": [h.address for h in self.hosts],
         }
 
