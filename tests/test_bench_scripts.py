@@ -183,3 +183,31 @@ def test_tcp_counters_reads_the_kernels_pairs_of_lines() -> None:
     snmp = "Tcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 7635676 445141\n"
     assert module.parse(netstat) == {"TCPTimeouts": 1909, "TCPRetransFail": 192789}
     assert module.parse(snmp) == {"OutSegs": 7635676, "RetransSegs": 445141}
+
+
+def test_plan_split_keeps_every_plan_once_fast_alone_slow_dealt(tmp_path: Path) -> None:
+    ranked = [
+        {"plan": "2x1x4/mb1/1f1b:dgc(density=0.01,momentum=0.0)", "prediction": {"step_s": 4.0}},
+        {"plan": "8x1x1/mb1/1f1b:powersgd(rank=4)", "prediction": {"step_s": 39.9}},
+        {"plan": "8x1x1/mb1/1f1b", "prediction": {"step_s": 160.0}},
+        {"plan": "1x2x4/mb8/1f1b/stages4", "prediction": {"step_s": 45.0}},
+        {"plan": "4x1x2/mb1/1f1b", "prediction": {"step_s": 40.0}},
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps({"ranked": ranked}))
+    command = [
+        sys.executable, str(BENCH / "plan_split.py"), "--plan", str(tmp_path / "plan.json"),
+        "--slow-from", "40", "--slow-parts", "2", "--out", str(tmp_path / "plans"),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "2 fast plans, 3 slow in 2 lists" in run.stdout
+    read = {p.stem: p.read_text().split() for p in tmp_path.glob("plans-*.txt")}
+    assert read["plans-fast"] == [
+        "2x1x4/mb1/1f1b:dgc(density=0.01,momentum=0.0,warmup_steps=0)",
+        "8x1x1/mb1/1f1b:powersgd(rank=4)",
+    ]
+    assert read["plans-slow-0"] == ["8x1x1/mb1/1f1b", "4x1x2/mb1/1f1b"]
+    assert read["plans-slow-1"] == ["1x2x4/mb8/1f1b/stages4"]
+    bad = subprocess.run([*command[:-2], "--slow-parts", "0", *command[-2:]],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--slow-parts must be >= 1" in bad.stderr
