@@ -108,7 +108,8 @@ def first_report() -> Callable[..., Any]:
 #: is left: under ``pytest -n`` they share one worker, one test at a time
 NAMESPACE_MODULES = frozenset(
     {
-        "test_bench.py",
+        "test_bench_methods.py",
+        "test_bench_records.py",
         "test_cluster.py",
         "test_hybrid_sleep.py",
         "test_link_faults.py",
@@ -122,11 +123,13 @@ LONGEST_FIRST = (
     "test_parallel_parity.py",
     "test_training.py",
     "test_examples.py",
-    "test_delayed.py",
+    "test_delayed_agreement.py",
+    "test_delayed_refusals.py",
     "test_checkpoint.py",
     "test_integrations.py",
     "test_sparse.py",
-    "test_errors.py",
+    "test_errors_gradients.py",
+    "test_errors_misuse.py",
     "test_ps.py",
     "test_parallel_errors.py",
 )

@@ -14,7 +14,7 @@ from torch import Tensor
 
 import thinwire
 import thinwire.compress.bits
-from quantizer_cases import SLOT, drive, randn
+from compressor_cases import SLOT, drive, randn
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor
 from thinwire.compress.bf16 import BF16

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import thinwire
-from quantizer_cases import SLOT, bits_per_value, drive, randn, small_tensors
+from compressor_cases import SLOT, bits_per_value, drive, randn, small_tensors
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor, Exchanged
 from thinwire.compress.bf16 import BF16

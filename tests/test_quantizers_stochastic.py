@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from quantizer_cases import SLOT, bits_per_value, drive, randn, small_tensors
+from compressor_cases import SLOT, bits_per_value, drive, randn, small_tensors
 from thinwire.compress import Op, Slot, run_locally
 from thinwire.compress.base import Compressor
 from thinwire.compress.bits import unpack

@@ -1,4 +1,4 @@
-"""What the quantizer tests share: small tensors, a slot, bits on the wire, ranks by hand."""
+"""What the compressor tests share: small tensors, a slot, bits on the wire, ranks by hand."""
 
 from __future__ import annotations
 
