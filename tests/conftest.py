@@ -127,10 +127,12 @@ LONGEST_FIRST = (
     "test_delayed_refusals.py",
     "test_checkpoint.py",
     "test_integrations.py",
-    "test_sparse.py",
+    "test_sparse_training.py",
+    "test_sparse_refusals.py",
     "test_errors_gradients.py",
     "test_errors_misuse.py",
-    "test_ps.py",
+    "test_ps_training.py",
+    "test_ps_errors.py",
     "test_parallel_errors.py",
 )
 
