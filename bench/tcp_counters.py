@@ -18,6 +18,8 @@ import json
 import subprocess
 import time
 
+from thinwire.cluster import list_namespaces
+
 #: the counters read, by the line of /proc/net/netstat or /proc/net/snmp they are on
 COUNTERS = {
     "TcpExt": ["TCPTimeouts", "TCPLossProbes", "TCPLostRetransmit", "TCPSpuriousRTOs",
@@ -51,12 +53,6 @@ def read(namespace: str) -> dict[str, int]:
     return counters
 
 
-def namespaces() -> list[str]:
-    """The emulated hosts' network namespaces alive now."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith("thinwire-")]
-
-
 def main(argv: list[str] | None = None) -> None:
     """Print a reading every ``--every`` seconds until interrupted."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--every must be > 0 seconds, got {args.every}")
     try:
         while True:
-            reading = {"t": time.strftime("%H:%M:%S"), "ns": {n: read(n) for n in namespaces()}}
+            hosts = {n: read(n) for n in list_namespaces()}
+            reading = {"t": time.strftime("%H:%M:%S"), "ns": hosts}
             print(json.dumps(reading), flush=True)
             time.sleep(args.every)
     except KeyboardInterrupt:
