@@ -211,3 +211,52 @@ def test_plan_split_keeps_every_plan_once_fast_alone_slow_dealt(tmp_path: Path) 
     bad = subprocess.run([*command[:-2], "--slow-parts", "0", *command[-2:]],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--slow-parts must be >= 1" in bad.stderr
+
+
+def test_plan_check_holds_each_machines_runs_to_its_own_calibration(tmp_path: Path) -> None:
+    def planned(name: str, steps: dict[str, float]) -> Path:
+        ranked = [
+            {"plan": plan, "prediction": {"step_s": step, "peak_memory_bytes": 100}}
+            for plan, step in steps.items()
+        ]
+        (tmp_path / name).write_text(json.dumps({"ranked": ranked}))
+        return tmp_path / name
+
+    def measured(name: str, steps: dict[str, float]) -> Path:
+        records = [
+            {"plan": plan, "step_s": step, "peak_memory_bytes": 100} for plan, step in steps.items()
+        ]
+        (tmp_path / name).write_text(json.dumps({"records": records}))
+        return tmp_path / name
+
+    # machine 1's calibration puts a first; machine 2 (a faster CPU) puts b first
+    one = planned("one.json", {"a": 4.0, "b": 4.4, "c": 50.0})
+    two = planned("two.json", {"b": 3.0, "a": 3.3, "d": 80.0})
+    ran_one = measured("ran-one.json", {"a": 4.0, "c": 40.0})
+    ran_two = measured("ran-two.json", {"b": 3.3, "a": 3.0, "d": 80.0})
+    command = [
+        sys.executable, str(BENCH / "plan_check.py"),
+        "--calibration", str(one), str(ran_one), "--calibration", str(two), str(ran_two),
+        "--out", str(tmp_path / "check.json"),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "check.json").read_text())
+    rows = {(r["calibration"], r["plan"]): r for r in summary["rows"]}
+    assert set(rows) == {(1, "a"), (1, "c"), (2, "a"), (2, "b"), (2, "d")}
+    assert rows[(1, "c")]["error"] == pytest.approx(50 / 40 - 1)  # machine 1's prediction
+    assert rows[(2, "a")]["error"] == pytest.approx(3.3 / 3.0 - 1)  # machine 2's, not 4.0
+    assert summary["plans"] == 4
+    choices = {c["calibration"]: c for c in summary["calibrations"]}
+    assert choices[1]["chosen"] == "a" and choices[1]["chosen_over_best"] == 0.0
+    assert choices[2]["chosen"] == "b" and choices[2]["best_measured"] == "a"
+    # the headline is the machine where the choice did worst, not a mix of machines
+    assert summary["chosen"] == "b" and summary["chosen_over_best"] == pytest.approx(0.1)
+    assert summary["max_abs_error"] == pytest.approx(0.25)
+    assert "| 2 | 2 | a | 3.30 | 3.00 | +10% |" in run.stdout
+    # a run the calibration did not rank, and a calibration without results, are refused
+    wrong = [*command[:2], "--calibration", str(one), str(ran_two)]
+    run = subprocess.run(wrong, capture_output=True, text=True)
+    assert run.returncode != 0 and "pass the plan JSON of the calibration" in run.stderr
+    run = subprocess.run([*command[:2], "--calibration", str(one)], capture_output=True, text=True)
+    assert run.returncode == 2 and "at least one results.json" in run.stderr
