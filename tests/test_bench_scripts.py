@@ -260,3 +260,34 @@ def test_plan_check_holds_each_machines_runs_to_its_own_calibration(tmp_path: Pa
     assert run.returncode != 0 and "pass the plan JSON of the calibration" in run.stderr
     run = subprocess.run([*command[:2], "--calibration", str(one)], capture_output=True, text=True)
     assert run.returncode == 2 and "at least one results.json" in run.stderr
+
+
+def test_plan_split_leaves_out_what_ran_but_for_the_bridge(tmp_path: Path) -> None:
+    ranked = [
+        {"plan": "2x1x4/mb1/1f1b:dgc(density=0.01,momentum=0.0)", "prediction": {"step_s": 4.0}},
+        {"plan": "8x1x1/mb1/1f1b:powersgd(rank=4)", "prediction": {"step_s": 4.1}},
+        {"plan": "4x1x2/mb1/1f1b", "prediction": {"step_s": 9.0}},
+        {"plan": "8x1x1/mb1/1f1b", "prediction": {"step_s": 160.0}},
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps({"ranked": ranked}))
+    ran = ["2x1x4/mb1/1f1b:dgc(density=0.01,momentum=0.0,warmup_steps=0)", "4x1x2/mb1/1f1b"]
+    records = {"records": [{"plan": plan} for plan in ran]}
+    (tmp_path / "ran.json").write_text(json.dumps(records))
+    command = [
+        sys.executable, str(BENCH / "plan_split.py"), "--plan", str(tmp_path / "plan.json"),
+        "--out", str(tmp_path / "plans"), "--measured", str(tmp_path / "ran.json"),
+    ]  # fmt: skip
+    run = subprocess.run([*command, "--bridge", "1"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "1 of 4 plans measured already and left out; the first 1 kept" in run.stdout
+    assert (tmp_path / "plans-fast.txt").read_text().split() == [
+        "2x1x4/mb1/1f1b:dgc(density=0.01,momentum=0.0,warmup_steps=0)",  # the bridge
+        "8x1x1/mb1/1f1b:powersgd(rank=4)",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "plans-fast.txt").read_text().split() == ["8x1x1/mb1/1f1b:powersgd(rank=4)"]
+    # results of another model or cluster are refused rather than silently ignored
+    (tmp_path / "other.json").write_text(json.dumps({"records": [{"plan": "16x1x1/mb1/1f1b"}]}))
+    command[-1] = str(tmp_path / "other.json")
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "does not rank (e.g. 16x1x1/mb1/1f1b)" in run.stderr
