@@ -245,16 +245,13 @@ def markdown(summary: dict) -> str:
     if several:
         lines.append("")
         for c in summary["calibrations"]:
-            gap = c["chosen_over_best"]
             lines.append(
-                f"machine {c['calibration']} ({c['plan']}, {c['plans']} plans): chosen "
-                f"{c['chosen']} measured {'not' if gap is None else f'{gap:+.1%}'} against "
-                f"the fastest measured there, {c['best_measured']}"
+                f"machine {c['calibration']} ({c['plan']}, {c['plans']} plans): "
+                f"{_choice(c)} the fastest measured there, {c['best_measured']}"
             )
-    gap = summary["chosen_over_best"]
     lines.append(
-        f"\nchosen {summary['chosen']} (measured {'not' if gap is None else f'{gap:+.1%}'} "
-        f"against the fastest measured, {summary['best_measured']}); step time error median "
+        f"\n{_choice(summary)} the fastest measured, {summary['best_measured']}; "
+        "step time error median "
         f"{summary['median_abs_error']:.1%}, worst {summary['max_abs_error']:.1%}; Spearman "
         f"{summary['spearman']:.2f}; peak memory error median "
         f"{summary['median_abs_peak_error']:.1%}, worst {summary['max_abs_peak_error']:.1%}"
@@ -267,6 +264,14 @@ def markdown(summary: dict) -> str:
             f"{', '.join(limit['wrong']) or 'none'}"
         )
     return "\n".join(lines)
+
+
+def _choice(summary: dict) -> str:
+    """The planner's choice and how it ran, in words, before "the fastest measured"."""
+    gap = summary["chosen_over_best"]
+    if gap is None:
+        return "the planner's choice not among the runs;"
+    return f"chosen {summary['chosen']}, measured {gap:+.1%} against"
 
 
 def _runs(row: dict) -> str:
